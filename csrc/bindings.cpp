@@ -1,0 +1,63 @@
+// The fastfeed._C module: thin bindings over csrc/, one register_<topic>() per topic.
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <string>
+
+#include "segment.h"
+
+namespace py = pybind11;
+
+namespace fastfeed {
+
+void register_lease(py::module_& m);  // lease.cpp
+
+namespace {
+
+void register_errors() {
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const OsError& e) {
+      // OSError(errno, msg) picks the subclass itself: FileExistsError, PermissionError, ...
+      py::object exc = py::reinterpret_steal<py::object>(
+          PyObject_CallFunction(PyExc_OSError, "is", e.err(), e.what()));
+      if (exc) PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+    }
+  });
+}
+
+void register_segment(py::module_& m) {
+  // The GIL is released in create/attach: fallocate and prefault take milliseconds for large
+  // segments. Arguments are converted before the guard, and nothing inside touches Python.
+  using nogil = py::call_guard<py::gil_scoped_release>;
+  py::class_<Segment>(m, "Segment", py::buffer_protocol())
+      .def_static("create", &Segment::create, py::arg("name"), py::arg("size"), py::kw_only(),
+                  py::arg("numa_node") = -1, py::arg("hugepage") = true, nogil())
+      .def_static("attach", &Segment::attach, py::arg("name"), nogil())
+      .def_property_readonly("name", &Segment::name)
+      .def_property_readonly("size", &Segment::size)
+      .def_property_readonly("address",
+                             [](const Segment& s) { return reinterpret_cast<std::uintptr_t>(s.data()); })
+      .def_property_readonly("numa_bound", &Segment::numa_bound)
+      .def("__len__", &Segment::size)
+      .def("__repr__",
+           [](const Segment& s) {
+             return "<fastfeed._C.Segment name='" + s.name() + "' size=" + std::to_string(s.size()) + ">";
+           })
+      .def_buffer([](Segment& s) {
+        return py::buffer_info(s.data(), 1, "B", 1, {static_cast<py::ssize_t>(s.size())}, {1},
+                               /*readonly=*/false);
+      });
+  m.def("unlink", &unlink_segment, py::arg("name"));
+}
+
+}  // namespace
+}  // namespace fastfeed
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "fastfeed native core: shared-memory segments and leases (mechanisms only).";
+  fastfeed::register_errors();
+  fastfeed::register_segment(m);
+  fastfeed::register_lease(m);
+}

@@ -1,0 +1,10 @@
+"""fastfeed: keep GPUs fed. ``from fastfeed import DataLoader`` and change nothing else."""
+
+from torch.utils.data import get_worker_info
+
+from ._ring.ring import RingGrowthWarning
+from .loader import DataLoader
+
+__version__ = "0.1.0"
+
+__all__ = ["DataLoader", "RingGrowthWarning", "get_worker_info", "__version__"]

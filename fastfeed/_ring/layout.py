@@ -1,0 +1,149 @@
+"""How a batch is laid into a slot (worker side) and read back (main side).
+
+The batch structure is pickled with every tensor leaf replaced by a persistent
+id, so any container a collate function returns (dicts, namedtuples, custom
+mappings, dataclasses) comes back with its own type. The leaves' bytes are
+written once, straight into slot memory; the main process rebuilds them as
+zero-copy views of that memory.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import pickle
+
+import torch
+from torch.utils.data._utils.collate import collate, default_collate_fn_map
+
+from .._workers.messages import Leaf
+
+ALIGN = 64  # cache-line alignment keeps every dtype view legal and copies fast
+
+
+class Stack:
+    """A batch of equal tensors that will be stacked straight into the slot.
+
+    It stands for ``torch.stack(tensors)`` until the slot is known, so the
+    default collate never allocates a tensor of its own.
+    """
+
+    __slots__ = ("tensors", "shape", "dtype")
+
+    def __init__(self, tensors):
+        elem = tensors[0]
+        self.tensors = tensors
+        self.shape = (len(tensors), *elem.shape)
+        self.dtype = elem.dtype
+
+
+def _stack_later(batch, *, collate_fn_map=None):
+    elem = batch[0]
+    # Same checks and messages as torch's collate_tensor_fn.
+    if elem.is_nested:
+        raise RuntimeError(
+            "Batches of nested tensors are not currently supported by the default collate_fn; "
+            "please provide a custom collate_fn to handle them appropriately."
+        )
+    if elem.layout != torch.strided:
+        raise RuntimeError(
+            "Batches of sparse tensors are not currently supported by the default collate_fn; "
+            "please provide a custom collate_fn to handle them appropriately."
+        )
+    return Stack(batch)
+
+
+# torch's own map and traversal, with only the tensor rule changed: containers,
+# numpy arrays, numbers and strings behave exactly as in default_collate.
+_slot_collate_fn_map = dict(default_collate_fn_map)
+_slot_collate_fn_map[torch.Tensor] = _stack_later
+
+
+def slot_collate(batch):
+    """``default_collate`` whose tensors are stacked later, into the slot."""
+    return collate(batch, collate_fn_map=_slot_collate_fn_map)
+
+
+def _is_plain(t: torch.Tensor) -> bool:
+    # Only dense CPU tensors live in slots; anything else pickles as torch does.
+    return (
+        type(t) is torch.Tensor
+        and t.layout == torch.strided
+        and t.device.type == "cpu"
+        and not t.is_nested
+        and not t.is_quantized
+        and (not t.requires_grad or t.is_leaf)
+    )
+
+
+class _LeafPickler(pickle.Pickler):
+    def __init__(self, file, leaves):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.leaves = leaves
+        self.seen = {}  # id -> leaf index, so a tensor used twice stays one tensor
+
+    def persistent_id(self, obj):
+        if type(obj) is Stack or (isinstance(obj, torch.Tensor) and _is_plain(obj)):
+            key = id(obj)
+            pid = self.seen.get(key)
+            if pid is None:
+                pid = self.seen[key] = len(self.leaves)
+                self.leaves.append(obj)
+            return pid
+        return None
+
+
+def _nbytes(shape, dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def plan(batch):
+    """Pickle the structure and place every leaf.
+
+    Returns:
+        (payload, leaf objects, layout as a list of ``Leaf``, total bytes)
+    """
+    buf = io.BytesIO()
+    objs: list = []
+    _LeafPickler(buf, objs).dump(batch)
+    layout = []
+    offset = 0
+    for obj in objs:
+        if type(obj) is Stack:
+            shape, dtype, grad = obj.shape, obj.dtype, False
+        else:
+            shape, dtype, grad = tuple(obj.shape), obj.dtype, obj.requires_grad
+        offset = -(-offset // ALIGN) * ALIGN
+        layout.append(Leaf(offset, dtype, shape, grad))
+        offset += _nbytes(shape, dtype)
+    return buf.getvalue(), objs, layout, offset
+
+
+def view(base: torch.Tensor, leaf: Leaf) -> torch.Tensor:
+    """The tensor ``leaf`` describes, as a view of the uint8 slot tensor ``base``."""
+    n = _nbytes(leaf.shape, leaf.dtype)
+    return base[leaf.offset : leaf.offset + n].view(leaf.dtype).view(leaf.shape)
+
+
+def fill(base: torch.Tensor, objs, layout) -> None:
+    """Write every leaf into slot memory: the batch's one and only copy."""
+    for obj, leaf in zip(objs, layout):
+        dest = view(base, leaf)
+        if type(obj) is Stack:
+            torch.stack(obj.tensors, 0, out=dest)
+        else:
+            dest.copy_(obj.detach())
+
+
+def unpack(payload: bytes, layout, base: torch.Tensor | None):
+    """Rebuild the batch: tensor leaves become views of ``base``."""
+    if base is None:  # a batch without tensor bytes
+        views = [torch.empty(leaf.shape, dtype=leaf.dtype) for leaf in layout]
+    else:
+        views = [view(base, leaf) for leaf in layout]
+    for v, leaf in zip(views, layout):
+        if leaf.requires_grad:
+            v.requires_grad_()
+    unpickler = pickle.Unpickler(io.BytesIO(payload))
+    unpickler.persistent_load = views.__getitem__
+    return unpickler.load()

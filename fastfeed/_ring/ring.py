@@ -1,0 +1,120 @@
+"""The ring: a pool of reusable shared-memory slots owned by the main process.
+
+A slot is lent to one task at a time, and a task is only sent when a slot is
+free, so the free slots are the prefetch window. The slot comes back when the
+last tensor viewing it dies (its ``Lease`` is destroyed), or at once when the
+task did not use it. Slots are created lazily, sized from the first batch; a
+batch that outgrew them went to an overflow segment and later slots grow.
+"""
+
+from __future__ import annotations
+
+import collections
+import warnings
+import weakref
+
+import torch
+
+from .._native import C
+from .._workers.messages import SlotRef
+from . import segments
+
+
+class RingGrowthWarning(UserWarning):
+    """The ring had to grow because returned batches are still referenced."""
+
+
+def _with_headroom(nbytes: int) -> int:
+    # 1/16 extra, whole pages: a fixed-shape workload wastes little, and a
+    # slowly growing one does not reallocate every few batches.
+    size = nbytes + nbytes // 16
+    return -(-size // 4096) * 4096
+
+
+class Slot:
+    __slots__ = ("slot_id", "segment")
+
+    def __init__(self, slot_id: int, segment):
+        self.slot_id = slot_id
+        self.segment = segment
+
+    def ref(self) -> SlotRef:
+        return SlotRef(self.slot_id, self.segment.name, self.segment.size)
+
+
+class Ring:
+    """Slots, their free list, and growth.
+
+    Args:
+        capacity: slots to keep; ``num_workers * prefetch_factor + 2`` covers the
+            tasks in flight plus the batch the user holds and the one being returned.
+    """
+
+    def __init__(self, capacity: int):
+        self.prefix = segments.new_prefix()
+        self.capacity = capacity
+        self.slot_size = 0  # unknown until the first batch arrives
+        self._slots: list[Slot] = []
+        # Leases append from whichever thread drops the last view; deque.append
+        # and popleft are atomic, so no lock is needed.
+        self._free: collections.deque[Slot] = collections.deque()
+        self._warned = False
+        # Unlinks the ring's names even if it is never closed cleanly.
+        self._finalizer = weakref.finalize(self, segments.sweep, self.prefix)
+
+    @property
+    def sized(self) -> bool:
+        return self.slot_size > 0
+
+    def note_batch(self, nbytes: int) -> None:
+        if nbytes > self.slot_size:
+            self.slot_size = _with_headroom(nbytes)
+
+    def acquire(self) -> Slot | None:
+        """A free slot of the current size, or None when all are lent out."""
+        if self._free:
+            slot = self._free.popleft()
+            if slot.segment.size < self.slot_size:
+                self._regrow(slot)
+            return slot
+        if len(self._slots) < self.capacity:
+            slot = Slot(len(self._slots), segments.create(self.prefix, self.slot_size))
+            self._slots.append(slot)
+            return slot
+        return None
+
+    def _regrow(self, slot: Slot) -> None:
+        # The old mapping stays alive for as long as anything still views it;
+        # the worker swaps its own mapping when it sees the new name.
+        segments.unlink(slot.segment.name)
+        slot.segment = segments.create(self.prefix, self.slot_size)
+
+    def grow(self) -> None:
+        """Add one slot because every slot is held by batches the user kept."""
+        self.capacity += 1
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"fastfeed's ring of batch slots is full: all {self.capacity - 1} slots are "
+                "held by batches that are still referenced (for example by list(loader)), so "
+                "the ring grows by one slot per extra batch. Drop references to old batches "
+                "(or .clone() what you keep) to keep memory flat.",
+                RingGrowthWarning,
+                stacklevel=5,
+            )
+
+    def release(self, slot: Slot | None) -> None:
+        """Return a slot that no batch views (its task did not use it)."""
+        if slot is not None:
+            self._free.append(slot)
+
+    def lend(self, slot: Slot) -> torch.Tensor:
+        """A uint8 tensor over the whole slot; the slot is freed when it and all its views die."""
+        lease = C.Lease(slot.segment, lambda free=self._free, s=slot: free.append(s))
+        return torch.frombuffer(lease, dtype=torch.uint8)
+
+    def close(self) -> None:
+        """Unlink every name this ring or its workers created; live views stay valid."""
+        self._finalizer()
+        self._free.clear()
+        self._slots.clear()

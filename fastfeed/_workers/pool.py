@@ -1,0 +1,166 @@
+"""Worker processes and their pipes: start, send, receive, notice death, stop.
+
+Each worker has its own pair of pipes, so the main process reads the batch it
+needs from the worker that owns it, with no shared queue, lock or feeder
+thread. A worker's death is seen at once through its process sentinel.
+"""
+
+from __future__ import annotations
+
+import select
+import signal
+import time
+
+from . import messages as m
+
+STATUS_CHECK_S = 5.0  # torch's MP_STATUS_CHECK_INTERVAL
+_READY = select.POLLIN | select.POLLHUP | select.POLLERR
+
+
+class WorkerDied(RuntimeError):
+    pass
+
+
+class Worker:
+    __slots__ = ("worker_id", "process", "tasks", "results", "poller")
+
+    def __init__(self, worker_id, process, tasks, results):
+        self.worker_id = worker_id
+        self.process = process
+        self.tasks = tasks  # main's write end
+        self.results = results  # main's read end
+        self.poller = select.poll()
+        self.poller.register(results.fileno(), _READY)
+        self.poller.register(process.sentinel, _READY)
+
+
+class Pool:
+    """Start ``num_workers`` processes running ``target(worker_id, *args, tasks, results)``."""
+
+    def __init__(self, context, num_workers, target, args_for):
+        self.workers: list[Worker] = []
+        self._any = select.poll()
+        self._fd_owner: dict[int, Worker] = {}
+        try:
+            for wid in range(num_workers):
+                self._start(context, wid, target, args_for(wid))
+        except BaseException:
+            self.stop()  # a worker that failed to start must not strand the others
+            raise
+
+    def _start(self, context, wid, target, args) -> None:
+        task_r, task_w = context.Pipe(duplex=False)
+        res_r, res_w = context.Pipe(duplex=False)
+        p = context.Process(target=target, args=(*args, task_r, res_w), daemon=True)
+        try:
+            p.start()
+        except BaseException:
+            task_w.close()
+            res_r.close()
+            raise
+        finally:
+            # The child holds its own ends now. Closing ours means a dead
+            # worker shows as EOF, and a dead parent as EOF in the worker.
+            task_r.close()
+            res_w.close()
+        w = Worker(wid, p, task_w, res_r)
+        self.workers.append(w)
+        for fd in (res_r.fileno(), p.sentinel):
+            self._any.register(fd, _READY)
+            self._fd_owner[fd] = w
+
+    @property
+    def pids(self):
+        return tuple(w.process.pid for w in self.workers)
+
+    def send(self, wid: int, message) -> None:
+        try:
+            self.workers[wid].tasks.send_bytes(m.dumps(message))
+        except (BrokenPipeError, OSError):
+            raise self.death(self.workers[wid]) from None
+
+    def _read(self, w: Worker):
+        try:
+            return m.loads(w.results.recv_bytes())
+        except (EOFError, OSError):
+            raise self.death(w) from None
+
+    def recv(self, wid: int, timeout: float | None):
+        """The next message from worker ``wid``; raises on death or timeout."""
+        w = self.workers[wid]
+        deadline = None if not timeout else time.monotonic() + timeout
+        while True:
+            wait = STATUS_CHECK_S if deadline is None else max(0.0, deadline - time.monotonic())
+            events = w.poller.poll(wait * 1000)
+            for fd, _ in events:
+                if fd == w.results.fileno():
+                    return self._read(w)
+            if events:  # only the sentinel fired: the process exited
+                raise self.death(w)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise RuntimeError(f"DataLoader timed out after {timeout} seconds")
+
+    def recv_any(self, timeout: float | None):
+        """The next message from whichever worker answers first."""
+        deadline = None if not timeout else time.monotonic() + timeout
+        while True:
+            wait = STATUS_CHECK_S if deadline is None else max(0.0, deadline - time.monotonic())
+            events = self._any.poll(wait * 1000)
+            for fd, _ in events:
+                w = self._fd_owner[fd]
+                if fd == w.results.fileno():
+                    return self._read(w)
+            if events:
+                raise self.death(self._fd_owner[events[0][0]])
+            if deadline is not None and time.monotonic() >= deadline:
+                raise RuntimeError(f"DataLoader timed out after {timeout} seconds")
+
+    def retire(self, wid: int) -> None:
+        """Stop a worker that has nothing more to do (its IterableDataset ended)."""
+        w = self.workers[wid]
+        for fd in (w.results.fileno(), w.process.sentinel):
+            self._any.unregister(fd)
+        try:
+            w.tasks.send_bytes(m.dumps(m.Stop()))
+        except OSError:
+            pass
+
+    def death(self, w: Worker) -> WorkerDied:
+        """The error that says which worker died, and how."""
+        w.process.join(timeout=1.0)
+        code = w.process.exitcode
+        pid = w.process.pid
+        if code is not None and code < 0:
+            try:
+                how = f"was killed by signal {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+            if -code == signal.SIGKILL:
+                how += " (often the out-of-memory killer: check `dmesg`, or lower batch_size/num_workers)"
+            elif -code == signal.SIGBUS:
+                how += " (often /dev/shm is too small: docker run --shm-size=8g ...)"
+        elif code is not None:
+            how = f"exited unexpectedly with exit code {code}"
+        else:
+            how = "closed its pipe unexpectedly"
+        return WorkerDied(f"DataLoader worker {w.worker_id} (pid {pid}) {how}.")
+
+    def stop(self) -> None:
+        """Ask every worker to exit, then make sure each one has."""
+        for w in self.workers:
+            try:
+                w.tasks.send_bytes(m.dumps(m.Stop()))
+            except OSError:
+                pass
+        deadline = time.monotonic() + STATUS_CHECK_S
+        for w in self.workers:
+            w.process.join(timeout=max(0.0, deadline - time.monotonic()))
+        for w in self.workers:
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join(timeout=STATUS_CHECK_S)
+            w.tasks.close()
+            w.results.close()
+            if not w.process.is_alive():
+                w.process.close()
+        self.workers = []

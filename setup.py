@@ -1,0 +1,23 @@
+"""Builds fastfeed._C from csrc/. Metadata lives in pyproject.toml.
+
+The extension links neither libtorch nor libcudart: it only speaks the buffer protocol, so
+one build serves every torch version and machines with or without CUDA.
+"""
+
+import sys
+from glob import glob
+
+from pybind11.setup_helpers import Pybind11Extension
+from setuptools import setup
+
+ext = Pybind11Extension(
+    "fastfeed._C",
+    sorted(glob("csrc/*.cpp")),
+    include_dirs=["csrc"],
+    cxx_std=17,
+    extra_compile_args=["-O2"],
+    # shm_open/shm_unlink live in librt before glibc 2.34; the stub is harmless after.
+    libraries=["rt"] if sys.platform.startswith("linux") else [],
+)
+
+setup(ext_modules=[ext])
