@@ -41,7 +41,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         self._shutdown = True  # until workers exist, there is nothing to shut down
         super().__init__(loader)
         self._prefetch_factor = loader.prefetch_factor
-        self._in_order = loader.in_order
+        self._in_order = getattr(loader, "in_order", True)  # torch < 2.6 has no in_order
         context = loader.multiprocessing_context or torch.multiprocessing
         init_fn = loader.worker_init_fn
         if isinstance(self._dataset, (IterDataPipe, MapDataPipe)):

@@ -24,11 +24,8 @@ class RingGrowthWarning(UserWarning):
     """The ring had to grow because returned batches are still referenced."""
 
 
-def _with_headroom(nbytes: int) -> int:
-    # 1/16 extra, whole pages: a fixed-shape workload wastes little, and a
-    # slowly growing one does not reallocate every few batches.
-    size = nbytes + nbytes // 16
-    return -(-size // 4096) * 4096
+def _pages(nbytes: int) -> int:
+    return -(-nbytes // 4096) * 4096
 
 
 class Slot:
@@ -67,8 +64,15 @@ class Ring:
         return self.slot_size > 0
 
     def note_batch(self, nbytes: int) -> None:
-        if nbytes > self.slot_size:
-            self.slot_size = _with_headroom(nbytes)
+        """Size slots from the batches seen so far."""
+        if self.slot_size == 0:
+            # Most workloads have fixed-shape batches: exact slots cost no memory
+            # beyond torch's own per-batch segments.
+            self.slot_size = _pages(nbytes)
+        elif nbytes > self.slot_size:
+            # Sizes vary: leave 25% headroom so growth happens a few times, not
+            # every few batches.
+            self.slot_size = _pages(nbytes + nbytes // 4)
 
     def acquire(self) -> Slot | None:
         """A free slot of the current size, or None when all are lent out."""

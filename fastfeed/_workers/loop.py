@@ -51,6 +51,16 @@ class SlotWriter:
         return m.Done(task.idx, worker_id, nbytes, leaves, payload, overflow)
 
 
+def _yield_to_main() -> None:
+    # SCHED_BATCH: a worker woken by a new task does not preempt the main
+    # process (the training loop). Without it, every task sent to an idle
+    # worker costs the main process a context switch on a busy machine.
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass
+
+
 def _seed(base_seed: int, worker_id: int) -> int:
     # Exactly torch's per-worker seeding, so augmentations match torch's.
     seed = base_seed + worker_id
@@ -87,6 +97,7 @@ def worker_main(
         torch.multiprocessing._set_thread_name("ff_data_worker")
         # A forked OpenMP pool deadlocks, and workers share the cores anyway.
         torch.set_num_threads(1)
+        _yield_to_main()
         seed = _seed(base_seed, worker_id)
         dataset = _seed_datapipe(dataset, shared_seed)
         torch_worker._worker_info = torch_worker.WorkerInfo(
