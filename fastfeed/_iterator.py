@@ -48,7 +48,10 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
             init_fn = functools.partial(_sharding_worker_init_fn, init_fn, self._world_size, self._rank)
         use_slot_collate = self._collate_fn is default_collate
 
-        self._ring = Ring(self._num_workers * self._prefetch_factor + 2)
+        # One slot per task in flight: the same batches torch keeps alive, so
+        # memory stays at torch's. The batch being handed over borrows the slot
+        # of the next task until the user lets go of the previous batch.
+        self._ring = Ring(self._num_workers * self._prefetch_factor)
         parent = os.getpid()
 
         def args_for(wid):

@@ -43,8 +43,8 @@ class Ring:
     """Slots, their free list, and growth.
 
     Args:
-        capacity: slots to keep; ``num_workers * prefetch_factor + 2`` covers the
-            tasks in flight plus the batch the user holds and the one being returned.
+        capacity: slots to keep before growing (the caller sizes it from the
+            prefetch window).
     """
 
     def __init__(self, capacity: int):
