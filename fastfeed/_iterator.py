@@ -85,6 +85,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         self._workers_num_tasks = [0] * self._num_workers
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
         self._sampler_done = False
+        self._starved = False  # the last task could not be sent for want of a slot
         self._fill()
 
     def _drain_until_ack(self, wid) -> None:
@@ -116,6 +117,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         slot = None
         if self._ring.sized:
             slot = self._ring.acquire()
+            self._starved = slot is None
             if slot is None:
                 return False  # every slot is lent out: the window is full
         try:
@@ -156,7 +158,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
     def _next_batch(self):
         while True:
             self._fill()
-            if self._tasks_outstanding == 0 and not self._sampler_done and not self._shutdown:
+            if self._tasks_outstanding == 0 and self._starved:
                 # Nothing in flight and no free slot: the user holds them all.
                 self._ring.grow()
                 self._fill()

@@ -50,6 +50,10 @@ class Ring:
     def __init__(self, capacity: int):
         self.prefix = segments.new_prefix()
         self.capacity = capacity
+        # A training loop holds the previous batch while it asks for the next,
+        # which may take one slot beyond the window; past that, batches are
+        # being kept.
+        self._quiet_capacity = capacity + 1
         self.slot_size = 0  # unknown until the first batch arrives
         self._slots: list[Slot] = []
         # Leases append from whichever thread drops the last view; deque.append
@@ -96,7 +100,7 @@ class Ring:
     def grow(self) -> None:
         """Add one slot because every slot is held by batches the user kept."""
         self.capacity += 1
-        if not self._warned:
+        if self.capacity > self._quiet_capacity and not self._warned:
             self._warned = True
             warnings.warn(
                 f"fastfeed's ring of batch slots is full: all {self.capacity - 1} slots are "
