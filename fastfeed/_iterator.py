@@ -18,6 +18,7 @@ import weakref
 import torch
 from torch.utils.data import IterDataPipe, MapDataPipe
 from torch.utils.data._utils.collate import default_collate
+from torch.utils.data._utils.pin_memory import pin_memory
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_init_fn
 
 from ._ring import layout, segments
@@ -218,7 +219,12 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         if type(msg) is m.Failed:
             self._ring.release(slot)
             msg.error.reraise()
-        return self._materialize(msg, slot)
+        data = self._materialize(msg, slot)
+        if self._pin_memory:
+            # With an accelerator, pin as torch does (a copy, in this thread);
+            # registering the slots themselves is the pinned-staging stage's job.
+            data = pin_memory(data, self._pin_memory_device)
+        return data
 
     def _materialize(self, msg: m.Done, slot):
         if msg.overflow:
