@@ -1,0 +1,545 @@
+"""Shared benchmark runner: a candidate loader against torch's DataLoader, in the same run.
+
+Absolute times do not carry between runs on shared machines, so every figure is a ratio
+measured here and now: each round runs torch and the candidate back to back, alternating
+which goes first (A B, B A, ...), and the summary is the median, min and max of the
+per-round ratios. See /work/shared/BENCHMARKS.md.
+
+The candidate is ``fastfeed.DataLoader``. ``FASTFEED_BENCH_CANDIDATE=torch`` (or the hidden
+``--candidate torch`` flag) substitutes torch's own DataLoader, named ``torch*``, which checks
+the harness itself: every ratio should then be ~1.0x. Any ``module`` or ``module:Class`` works too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import ctypes
+import gc
+import importlib
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader as TorchDataLoader
+
+CANDIDATE_ENV = "FASTFEED_BENCH_CANDIDATE"
+REPO = Path(__file__).resolve().parent.parent
+MB = 1e6
+
+# figure -> (record key, scale to the display unit, display unit, floor). Ratios use the raw
+# key, and only where the baseline exceeds the floor: a PSS growth of under 1 MB is noise
+# (e.g. torch at nw=0 on 4 KB batches), and a ratio of noise means nothing.
+FIGURES = {
+    "throughput": ("batches_per_s", 1.0, "batch/s", 0.0),
+    "main_cpu_s": ("main_cpu_s", 1.0, "s", 0.0),
+    "peak_pss": ("pss_delta_mb", 1.0, "MB", 1.0),
+    "peak_pss_abs": ("pss_peak_mb", 1.0, "MB", 0.0),
+    "peak_footprint": ("foot_delta_mb", 1.0, "MB", 1.0),
+    "ttfb": ("ttfb_s", 1e3, "ms", 0.0),
+    "ctor_ttfb": ("ctor_ttfb_s", 1e3, "ms", 0.0),
+}
+GBPS = ("bytes_per_s", 1e-9, "GB/s", 0.0)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One question asked of candidate and baseline: the same workload, maybe different kwargs.
+
+    Attributes:
+        workload: A ``workloads.Workload``.
+        label: Short name, e.g. ``"nw=2"`` or ``"nw=2 vs torch nw=0"``.
+        candidate_kwargs: Loader kwargs for the candidate, on top of the workload's.
+        baseline_kwargs: Loader kwargs for torch, on top of the workload's.
+        warmup: Untimed batches per trial, the first included (at least 1).
+        batches: Timed batches per trial.
+        mem_batches: Batches per trial iterated, untimed, for the peak PSS.
+        bars: Figure -> ``(">=" or "<=", ratio)`` the brief sets for this comparison.
+    """
+
+    workload: Any
+    label: str
+    candidate_kwargs: dict
+    baseline_kwargs: dict
+    warmup: int
+    batches: int
+    mem_batches: int
+    bars: dict = field(default_factory=dict)
+
+
+# --- candidate -----------------------------------------------------------------------------
+
+
+def resolve_candidate(spec: str | None = None) -> tuple[type, str]:
+    """Find the candidate loader class.
+
+    Args:
+        spec: ``"torch"``, ``"module"`` or ``"module:Class"``; default: ``$FASTFEED_BENCH_CANDIDATE``,
+            else ``fastfeed``.
+
+    Returns:
+        The class and the name to print for it (``torch*`` when it is torch's own).
+    """
+    spec = spec or os.environ.get(CANDIDATE_ENV) or "fastfeed"
+    module, _, attr = ("torch.utils.data" if spec == "torch" else spec).partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), attr or "DataLoader")
+    except (ImportError, AttributeError) as exc:
+        sys.exit(f"candidate {spec!r} is not importable ({exc!r}); "
+                 f"{CANDIDATE_ENV}=torch measures torch against itself")
+    return cls, "torch*" if cls is TorchDataLoader else module.split(".")[0]
+
+
+# --- memory: PSS summed over this process and its descendants ------------------------------
+
+
+def process_tree(root: int | None = None) -> list[int]:
+    """Pids of ``root`` (default: this process) and all its live descendants."""
+    # /proc/<pid>/task/*/children needs CONFIG_PROC_CHILDREN, absent on some kernels, so scan ppids.
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as f:
+                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # exited while we scanned
+            children.setdefault(ppid, []).append(int(entry.name))
+    tree = [root or os.getpid()]
+    for pid in tree:  # grows while we walk it: breadth-first over grandchildren too
+        tree.extend(children.get(pid, ()))
+    return tree
+
+
+def pss_mb(pids: Sequence[int], anon_only: bool = False) -> float:
+    """Summed PSS of anonymous and shared memory of ``pids``, in MB (a vanished pid counts 0).
+
+    File-backed pages (the code of torch and Python) are left out: this VM's proactive reclaim
+    (kdamond) evicts and refaults them at random, which moved the sum by ~15 MB from one sample
+    to the next, and a loader's buffers are anonymous or shared memory, never file-backed.
+    """
+    total_kb = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+                fields = dict(line.split()[:2] for line in f if line.startswith(b"Pss"))
+        except OSError:
+            continue
+        if b"Pss_Anon:" in fields:
+            total_kb += int(fields[b"Pss_Anon:"])
+            if not anon_only:
+                total_kb += int(fields.get(b"Pss_Shmem:", 0))
+        else:  # kernels before 5.9 give only the total
+            total_kb += int(fields.get(b"Pss:", 0))
+    return total_kb * 1024 / MB
+
+
+def shmem_mb() -> float:
+    """All shared memory on the machine (/proc/meminfo ``Shmem``), in MB.
+
+    PSS only sees shared memory that some process maps. torch's workers hand each batch over as
+    a file descriptor in a socket message, and while it waits there nobody maps it, so PSS misses
+    torch's in-flight batches. The machine-wide figure counts them (it is only meaningful when
+    nothing else on the machine is allocating shared memory).
+    """
+    with open("/proc/meminfo", "rb") as f:
+        for line in f:
+            if line.startswith(b"Shmem:"):
+                return int(line.split()[1]) * 1024 / MB
+    return 0.0
+
+
+def footprint_mb(pids: Sequence[int]) -> float:
+    """Anonymous PSS of ``pids`` plus all shared memory: the memory a loader really holds."""
+    return pss_mb(pids, anon_only=True) + shmem_mb()
+
+
+class PeakPss:
+    """Peak of the PSS summed over the process tree, from synchronous and background samples.
+
+    PSS splits shared pages among the processes that map them, so the sum over the tree counts
+    forked-but-shared memory and shared-memory batches once, not once per process.
+    """
+
+    def __init__(self):
+        self.peak_mb, self.peak_procs, self.samples = 0.0, 0, 0
+        self.foot_peak_mb = 0.0
+        self._lock = threading.Lock()  # the consumer and the background thread both sample
+
+    def sample(self) -> float:
+        """Take one sample now; return it in MB."""
+        pids = process_tree()
+        mb = pss_mb(pids)
+        foot = footprint_mb(pids)
+        with self._lock:
+            self.samples += 1
+            self.foot_peak_mb = max(self.foot_peak_mb, foot)
+            if mb > self.peak_mb:
+                self.peak_mb, self.peak_procs = mb, len(pids)
+        return mb
+
+    @contextlib.contextmanager
+    def sampling(self, interval: float = 0.01) -> Iterator[None]:
+        """Sample in a background thread every ``interval`` seconds while the block runs."""
+        stop = threading.Event()
+
+        def loop():
+            while not stop.wait(interval):
+                self.sample()
+
+        thread = threading.Thread(target=loop, name="bench-pss", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
+
+# --- one trial -----------------------------------------------------------------------------
+
+
+def touch(batch: Any) -> int:
+    """Read one element of every tensor leaf, without copying; return the leaves' total bytes."""
+    if isinstance(batch, torch.Tensor):
+        if batch.numel():
+            # The last element: a buffer filled front to back is complete only when it is.
+            batch[(-1,) * batch.dim()].item()
+        return batch.nbytes
+    if isinstance(batch, Mapping):
+        return sum(touch(v) for v in batch.values())
+    if isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
+        return sum(touch(v) for v in batch)
+    return 0
+
+
+def _main_cpu_s() -> float:
+    # RUSAGE_SELF: every thread of this process (a loader's pin-memory thread is its cost), no workers.
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _release_freed_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS.
+
+    glibc keeps freed chunks (a 9.6 MB batch, a trial's dataset pool) in the heap, where they stay
+    resident: the next trial's PSS baseline would include them and its loader would reuse them
+    without growing PSS at all, so a trial's figure would depend on the one before it.
+    """
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to trim with
+
+
+def _wait_for_exit(pids: set[int], timeout: float = 5.0) -> int:
+    """Wait until none of ``pids`` is a live descendant; return how many still are."""
+    deadline = time.monotonic() + timeout
+    while (left := pids & set(process_tree())) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return len(left)
+
+
+def run_trial(loader_cls: type, workload: Any, kwargs: dict, warmup: int, batches: int,
+              mem_batches: int = 0) -> dict:
+    """Build a fresh dataset and loader and iterate it in four phases.
+
+    1. ``iter(loader)`` to the first batch: time to first batch.
+    2. ``warmup - 1`` more untimed batches, so the timer starts with workers up and queues full.
+    3. ``batches`` timed batches: throughput and main-process CPU.
+    4. ``mem_batches`` more batches, with a PSS sample after each and a thread sampling every ~10 ms.
+
+    Reading smaps_rollup walks a process's page tables (~5 ms for a process that has imported
+    torch, on this machine) under its mmap lock, which stalls the loader's own mmap/munmap: run
+    alongside the timed phases it cut torch's nw=0 throughput 5x. So phases 1-3 are sampled only
+    between phases. In phase 4 the consumer waits for a sample after every batch, so the loader's
+    queues fill as they do behind a slow training step: the peak is that worst case, measured
+    the same way for both loaders, and the thread catches transients between batches.
+
+    Args:
+        loader_cls: A DataLoader-compatible class.
+        workload: A ``workloads.Workload``; its dataset is made fresh for this trial.
+        kwargs: Loader kwargs (the workload's and the comparison's, merged).
+        warmup: Untimed batches, counting the first (at least 1).
+        batches: Timed batches (0: no throughput figures).
+        mem_batches: Untimed batches iterated for the peak PSS (phase 4).
+
+    Returns:
+        The trial record: times, throughput, main-process CPU, PSS figures.
+    """
+    warmup = max(1, warmup)
+    _release_freed_memory()
+    before = set(process_tree())
+    dataset = workload.make_dataset((warmup + batches + mem_batches) * kwargs.get("batch_size", 1))
+    mem = PeakPss()
+    loader = it = None
+    try:
+        pss_base = mem.sample()  # after the dataset exists: its pool is not the loader's memory
+        foot_base = mem.foot_peak_mb
+        t0 = time.perf_counter()
+        loader = loader_cls(dataset, **kwargs)
+        t1 = time.perf_counter()
+        it = iter(loader)
+        touch(next(it))
+        t2 = time.perf_counter()
+        mem.sample()
+        for _ in range(warmup - 1):
+            touch(next(it))
+        mem.sample()
+        cpu0, w0 = _main_cpu_s(), time.perf_counter()
+        nbytes = sum(touch(next(it)) for _ in range(batches))
+        w1, cpu1 = time.perf_counter(), _main_cpu_s()
+        mem.sample()
+        with mem.sampling():
+            for _ in range(mem_batches):
+                touch(next(it))
+                mem.sample()
+    finally:
+        # Drop every reference so this trial's workers and buffers cannot pollute the next.
+        del it, loader, dataset
+        _release_freed_memory()
+        leftover = _wait_for_exit(set(process_tree()) - before)
+    seconds = w1 - w0
+    return dict(
+        ctor_s=t1 - t0, ttfb_s=t2 - t1, ctor_ttfb_s=t2 - t0, seconds=seconds,
+        batches_per_s=batches / seconds if batches else None,
+        bytes_per_s=nbytes / seconds if batches else None, bytes=nbytes,
+        main_cpu_s=cpu1 - cpu0 if batches else None,
+        pss_base_mb=pss_base, pss_peak_mb=mem.peak_mb, pss_delta_mb=mem.peak_mb - pss_base,
+        foot_peak_mb=mem.foot_peak_mb, foot_delta_mb=mem.foot_peak_mb - foot_base,
+        peak_procs=mem.peak_procs, pss_samples=mem.samples, leftover_procs=leftover,
+    )
+
+
+# --- interleaved rounds --------------------------------------------------------------------
+
+
+def _kwargs(comp: Comparison, own: dict, mp_context: str | None) -> dict:
+    kwargs = {**comp.workload.loader_kwargs, **own}
+    if mp_context and kwargs.get("num_workers", 0) > 0:  # torch rejects a context at nw=0
+        kwargs["multiprocessing_context"] = mp_context
+    return kwargs
+
+
+def compare(comp: Comparison, candidate: type, baseline: type = TorchDataLoader, rounds: int = 5,
+            mp_context: str | None = None, names: tuple[str, str] = ("candidate", "torch")) -> list[dict]:
+    """Run ``rounds`` rounds of baseline and candidate trials, interleaved.
+
+    Round r runs baseline then candidate when r is even, the reverse when odd, so drift in
+    the machine's state (frequency, page cache, neighbours) hits both sides alike. One untimed
+    priming trial per loader first absorbs one-time costs (lazy imports, helper processes).
+
+    Args:
+        comp: What to compare.
+        candidate: The candidate loader class.
+        baseline: The baseline loader class, torch's DataLoader.
+        rounds: Number of rounds.
+        mp_context: ``multiprocessing_context`` for both loaders when they have workers.
+        names: Names of candidate and baseline, stored in the records.
+
+    Returns:
+        One record per trial (``2 * rounds``).
+    """
+    sides = {
+        "baseline": (baseline, _kwargs(comp, comp.baseline_kwargs, mp_context), names[1]),
+        "candidate": (candidate, _kwargs(comp, comp.candidate_kwargs, mp_context), names[0]),
+    }
+    for cls, kwargs, _ in sides.values():
+        run_trial(cls, comp.workload, kwargs, warmup=1, batches=1)
+    records = []
+    for r in range(rounds):
+        order = ("baseline", "candidate") if r % 2 == 0 else ("candidate", "baseline")
+        for position, role in enumerate(order):
+            cls, kwargs, name = sides[role]
+            rec = dict(workload=comp.workload.name, comparison=comp.label, round=r, position=position,
+                       role=role, loader=name, num_workers=kwargs.get("num_workers", 0),
+                       warmup=comp.warmup, batches=comp.batches, mem_batches=comp.mem_batches)
+            rec.update(run_trial(cls, comp.workload, kwargs, comp.warmup, comp.batches, comp.mem_batches))
+            records.append(rec)
+    return records
+
+
+# --- summary and output --------------------------------------------------------------------
+
+
+def _figures(unit: str) -> dict[str, tuple[str, float, str, float]]:
+    return {**FIGURES, "throughput": GBPS} if unit == "GB/s" else FIGURES
+
+
+def summarize(comp: Comparison, records: list[dict]) -> dict:
+    """Median, min and max over rounds of the candidate/baseline ratio, for every figure.
+
+    Args:
+        comp: The comparison the records belong to.
+        records: Its trial records, from :func:`compare`.
+
+    Returns:
+        Figure -> ``{median, min, max, candidate, baseline, unit}`` (candidate and baseline are
+        medians of absolute values in ``unit``), plus ``bar`` and ``meets_bar`` where one is set.
+    """
+    rounds: dict[int, dict[str, dict]] = {}
+    for rec in records:
+        rounds.setdefault(rec["round"], {})[rec["role"]] = rec
+    out: dict[str, Any] = {}
+    for fig, (key, scale, unit, floor) in _figures(comp.workload.unit).items():
+        pairs = [(r["candidate"][key], r["baseline"][key]) for r in rounds.values()
+                 if r["candidate"][key] is not None and r["baseline"][key] is not None]
+        ratios = [c / b for c, b in pairs if b > floor]
+        stat = dict(median=None, min=None, max=None, candidate=None, baseline=None, unit=unit)
+        if pairs:
+            stat.update(candidate=statistics.median(c for c, _ in pairs) * scale,
+                        baseline=statistics.median(b for _, b in pairs) * scale)
+        if ratios:
+            stat.update(median=statistics.median(ratios), min=min(ratios), max=max(ratios))
+        if fig in comp.bars:
+            op, bar = comp.bars[fig]
+            stat["bar"] = f"{op}{bar}"
+            ok = stat["median"] is not None and (stat["median"] >= bar if op == ">=" else stat["median"] <= bar)
+            stat["meets_bar"] = ok
+        out[fig] = stat
+    return out
+
+
+def fmt(value: float) -> str:
+    """A figure for people: ``31,800`` rather than ``3.18e+04``, ``2.03`` rather than ``2.0312``."""
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def format_line(key: str, fig: str, stat: dict, names: tuple[str, str]) -> str:
+    """One printed line per figure, e.g. ``transport nw=2  fastfeed/torch throughput  median 7.1x ...``."""
+    cand, base = names
+    ratio = ("median n/a" if stat["median"] is None else
+             f"median {stat['median']:.2f}x (min {stat['min']:.2f}x, max {stat['max']:.2f}x)")
+    line = f"{key}  {cand}/{base} {fig}  {ratio}"
+    if stat["candidate"] is not None:
+        line += f"  {cand} {fmt(stat['candidate'])} {stat['unit']}  {base} {fmt(stat['baseline'])} {stat['unit']}"
+    if "bar" in stat:
+        line += f"  bar {stat['bar']}x {'ok' if stat['meets_bar'] else 'MISSED'}"
+    return line
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    except OSError:
+        return None
+    return out.stdout.strip() or None
+
+
+def write_results(script: str, result: dict, out_dir: Path) -> tuple[Path, Path]:
+    """Write ``result`` to ``<out_dir>/<script>-<timestamp>.json`` and its trial records to ``.csv``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{script}-{time.strftime('%Y%m%d-%H%M%S')}"
+    n = 1
+    while (out_dir / f"{stem}.json").exists():  # two runs in one second must not overwrite
+        n += 1
+        stem = f"{script}-{time.strftime('%Y%m%d-%H%M%S')}-{n}"
+    json_path, csv_path = out_dir / f"{stem}.json", out_dir / f"{stem}.csv"
+    json_path.write_text(json.dumps(result, indent=1) + "\n")
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(result["rounds"][0]))
+        writer.writeheader()
+        writer.writerows(result["rounds"])
+    return json_path, csv_path
+
+
+def run_script(script: str, comparisons: list[Comparison], args: argparse.Namespace,
+               figures: Sequence[str] = tuple(FIGURES), quiet: bool = False) -> dict:
+    """Run every comparison, print one line per figure, write JSON and CSV.
+
+    Args:
+        script: Name of the script, used for the output files.
+        comparisons: What to measure.
+        args: Parsed common flags (see :func:`parse_args`).
+        figures: Figures to print (the JSON holds all of them).
+        quiet: Print nothing but the output paths (the demo prints its own table).
+
+    Returns:
+        The result: ``workload``, ``params``, ``rounds`` (trial records) and ``summary``
+        (``"<workload> <label>"`` -> figure -> stats).
+    """
+    candidate, cand_name = resolve_candidate(args.candidate)
+    names = (cand_name, "torch")
+    if args.mp_context in ("spawn", "forkserver"):
+        # Start these helpers now, so that they are not charged to the first trial.
+        from multiprocessing import forkserver, resource_tracker
+        resource_tracker.ensure_running()
+        if args.mp_context == "forkserver":
+            forkserver.ensure_running()
+    say = (lambda *a: None) if quiet else print
+    say(f"# candidate {cand_name} = {candidate.__module__}.{candidate.__qualname__}, baseline torch; "
+        f"{args.rounds} rounds, {os.cpu_count()} CPUs, torch {torch.__version__}")
+    records, summary = [], {}
+    for comp in comparisons:
+        recs = compare(comp, candidate, TorchDataLoader, args.rounds, args.mp_context, names)
+        key = f"{comp.workload.name} {comp.label}"
+        summary[key] = summarize(comp, recs)
+        records += recs
+        for fig in figures:
+            say(format_line(key, fig, summary[key][fig], names))
+    result = dict(
+        workload={c.workload.name: dict(c.workload.describe, unit=c.workload.unit) for c in comparisons},
+        params=dict(
+            script=script, argv=sys.argv[1:], quick=args.quick, rounds=args.rounds, mp_context=args.mp_context,
+            candidate=cand_name, candidate_class=f"{candidate.__module__}.{candidate.__qualname__}",
+            baseline_class="torch.utils.data.DataLoader",
+            comparisons=[dict(asdict(c), workload=c.workload.name) for c in comparisons],
+            python=platform.python_version(), torch=torch.__version__, numpy=np.__version__,
+            cpus=os.cpu_count(), machine=platform.platform(), git=_git_commit(),
+            time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        ),
+        rounds=records,
+        summary=summary,
+    )
+    paths = write_results(script, result, args.out)
+    print("# wrote " + ", ".join(str(p) for p in paths))
+    return result
+
+
+def parse_args(doc: str, argv: Sequence[str] | None, defaults: dict, quick: dict,
+               extra: Any = None) -> argparse.Namespace:
+    """Parse the flags every script shares; unset ones come from ``quick`` or ``defaults``.
+
+    Args:
+        doc: The script's docstring, shown by ``--help``.
+        argv: Arguments (default ``sys.argv[1:]``).
+        defaults: Values of rounds, warmup, batches, mem_batches, num_workers for a full run.
+        quick: Values that ``--quick`` overrides.
+        extra: Optional callable adding script-specific flags to the parser.
+
+    Returns:
+        The parsed arguments.
+    """
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="few rounds and batches (what the tests run)")
+    p.add_argument("--rounds", type=int, help=f"rounds of interleaved trials (default {defaults.get('rounds')})")
+    p.add_argument("--warmup", type=int, help="untimed batches per trial, the first included")
+    p.add_argument("--batches", type=int, help="timed batches per trial")
+    p.add_argument("--mem-batches", type=int, help="untimed batches per trial, each followed by a PSS sample")
+    p.add_argument("--num-workers", type=int, nargs="+", help="worker counts to measure")
+    p.add_argument("--mp-context", choices=("fork", "spawn", "forkserver"),
+                   help="multiprocessing_context for both loaders (default: the loaders' own)")
+    p.add_argument("--out", type=Path, default=REPO / "bench-results", help="directory for JSON and CSV")
+    p.add_argument("--candidate", help=argparse.SUPPRESS)  # e.g. "torch"; see module docstring
+    if extra:
+        extra(p)
+    args = p.parse_args(argv)
+    preset = {**defaults, **quick} if args.quick else defaults
+    for name, value in preset.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    return args

@@ -1,0 +1,69 @@
+"""fastfeed's demo: the transport and overhead questions, as a short table of fastfeed/torch ratios.
+
+Runs benchmarks/transport.py and benchmarks/overhead.py with their default settings (about a
+minute and a half on 2 cores against torch; less as fastfeed is faster), then prints one row
+per comparison. Throughput: higher is better; main-process CPU, peak PSS, time to first
+batch: lower is better. The full figures go to bench-results/demo-<timestamp>.json and .csv.
+
+Run: .venv/bin/python benchmarks/demo.py [--quick] [--rounds N] [--out DIR]
+
+Measured (paste the table of a full run here):
+  (to be filled by the lead)
+"""
+
+from __future__ import annotations
+
+import _runner
+import overhead
+import transport
+
+DEFAULTS = dict(rounds=5)
+QUICK = dict(rounds=2)
+COLUMNS = (("main_cpu_s", "main CPU"), ("peak_pss", "peak PSS"), ("ttfb", "1st batch"))
+
+
+def _ratio(stat: dict) -> str:
+    return "n/a" if stat["median"] is None else f"{stat['median']:.2f}x"
+
+
+def table(summary: dict, names: tuple[str, str]) -> str:
+    """Render the demo's table from a run's summary.
+
+    Args:
+        summary: ``run_script``'s summary: ``"<workload> <label>"`` -> figure -> stats.
+        names: Candidate and baseline names.
+
+    Returns:
+        The table: a title, a header, one row per comparison.
+    """
+    cand, base = names
+    rows = [f"{cand}/{base} ratios, median over rounds; throughput (min-max) and absolute medians",
+            f"{'':28}{'throughput':>20}" + "".join(f"{title:>11}" for _, title in COLUMNS)
+            + f"{cand:>17}{base:>17}  bar"]
+    for key, figs in summary.items():
+        tput = figs["throughput"]
+        spread = "" if tput["min"] is None else f" ({tput['min']:.2f}-{tput['max']:.2f})"
+        bars = [f"{f} {s['bar']}x {'ok' if s['meets_bar'] else 'MISSED'}" for f, s in figs.items() if "bar" in s]
+        rows.append(f"{key:28}{_ratio(tput) + spread:>20}" + "".join(f"{_ratio(figs[f]):>11}" for f, _ in COLUMNS)
+                    + f"{_runner.fmt(tput['candidate']):>9} {tput['unit']:<7}"
+                    + f"{_runner.fmt(tput['baseline']):>9} {tput['unit']:<7}  " + ", ".join(bars))
+    return "\n".join(row.rstrip() for row in rows)
+
+
+def main(argv=None) -> dict:
+    """Run the demo from the command line."""
+    args = _runner.parse_args(__doc__, argv, DEFAULTS, QUICK)
+    comps = []
+    for script in (transport, overhead):
+        preset = {**script.DEFAULTS, **(script.QUICK if args.quick else {})}
+        # Flags given on the command line win over each script's own settings.
+        opts = {k: getattr(args, k) if getattr(args, k) is not None else preset[k]
+                for k in ("num_workers", "warmup", "batches", "mem_batches")}
+        comps += script.comparisons(**opts)
+    result = _runner.run_script("demo", comps, args, quiet=True)
+    print(table(result["summary"], (result["params"]["candidate"], "torch")))
+    return result
+
+
+if __name__ == "__main__":
+    main()

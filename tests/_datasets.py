@@ -1,0 +1,264 @@
+"""Datasets, samplers and collate functions shared by the tests.
+
+Everything here is module-level so that the spawn start method can pickle it by
+reference. Samples draw from torch.rand, random.random and np.random, so any
+difference in per-worker seeding shows up as different batches.
+"""
+
+import random
+import time
+from collections import namedtuple
+
+import numpy as np
+import torch
+import torch.utils.data as tud
+
+import _candidate
+
+Point = namedtuple("Point", ["x", "y"])
+
+
+class DatasetError(Exception):
+    """Raised on purpose by a dataset."""
+
+
+class CollateError(Exception):
+    """Raised on purpose by a collate function."""
+
+
+class WorkerInfoMismatch(AssertionError):
+    """The candidate's get_worker_info() disagrees with torch's inside a worker."""
+
+
+def _describe(info):
+    return None if info is None else (info.id, info.num_workers, info.seed)
+
+
+def worker_identity(verify):
+    """(worker id, worker seed) as torch reports them; (-1, 0) in the main process.
+
+    With verify, first check that the candidate's get_worker_info() agrees with torch's.
+    """
+    theirs = tud.get_worker_info()
+    if verify:
+        ours = _candidate.get_worker_info()
+        if _describe(ours) != _describe(theirs):
+            raise WorkerInfoMismatch(
+                f"{_candidate.NAME}.get_worker_info() gave {_describe(ours)}, "
+                f"torch gave {_describe(theirs)} (id, num_workers, seed)"
+            )
+    return (-1, 0) if theirs is None else (theirs.id, theirs.seed)
+
+
+def augmented_sample(index, width, verify):
+    worker, seed = worker_identity(verify)
+    return {
+        "x": torch.arange(width, dtype=torch.float32) + index + torch.rand(width),
+        "py": random.random(),
+        "np": np.random.rand(2),
+        "index": index,
+        "worker": worker,
+        "seed": seed,
+    }
+
+
+class AugmentedDataset(tud.Dataset):
+    """Map-style: a dict of random augmentations, tagged with index and worker."""
+
+    def __init__(self, n=24, width=3):
+        self.n, self.width = n, width
+        self.offset = 0  # worker_init_fn may change it inside a worker
+        self.verify_worker_info = False
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, index):
+        return augmented_sample(index + self.offset, self.width, self.verify_worker_info)
+
+
+class GetitemsDataset(AugmentedDataset):
+    """Map-style with a batched __getitems__; its samples say how big the request was."""
+
+    def __getitems__(self, indices):
+        return [dict(self[i], request=len(indices)) for i in indices]
+
+
+class ShardedIterable(tud.IterableDataset):
+    """Iterable-style: worker k of n yields indices k, k+n, ... (uneven shards on purpose)."""
+
+    def __init__(self, n=23, width=3):
+        self.n, self.width = n, width
+        self.offset = 0
+        self.verify_worker_info = False
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        info = tud.get_worker_info()
+        first, step = (0, 1) if info is None else (info.id, info.num_workers)
+        for index in range(first, self.n, step):
+            yield augmented_sample(index + self.offset, self.width, self.verify_worker_info)
+
+
+class NestedDataset(tud.Dataset):
+    """Map-style with every container and leaf type that default_collate handles."""
+
+    def __init__(self, n=10):
+        self.n = n
+        self.verify_worker_info = False
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        worker, _ = worker_identity(self.verify_worker_info)
+        return {
+            "tensor": torch.rand(2, 3),
+            "array": np.random.randint(0, 100, size=(4,), dtype=np.int32),
+            "int": i,
+            "float": random.random(),
+            "str": f"item-{i}",
+            "list": [torch.tensor([i, worker]), i * 2],
+            "tuple": (np.float32(i) / 3, f"t{i}"),
+            "namedtuple": Point(x=i, y=torch.rand(1, dtype=torch.float64)),
+            "bool": i % 2 == 0,
+            "worker": worker,
+        }
+
+
+class PlainDataset(tud.Dataset):
+    """Deterministic: item i is a float tensor full of i, so any batch can be checked by eye."""
+
+    def __init__(self, n=16, width=4):
+        self.n, self.width = n, width
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"x": torch.full((self.width,), float(i)), "index": i}
+
+
+def expected_plain_batch(indices, width=4):
+    """The batch that default_collate makes of PlainDataset items `indices`."""
+    return {
+        "x": torch.stack([torch.full((width,), float(i)) for i in indices]),
+        "index": torch.tensor(indices),
+    }
+
+
+class SlowDataset(tud.Dataset):
+    """Each item takes `delay` seconds."""
+
+    def __init__(self, n=1000, delay=0.05):
+        self.n, self.delay = n, delay
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        time.sleep(self.delay)
+        return torch.tensor([i])
+
+
+def _explode_in_getitem(i):
+    raise DatasetError(f"item {i} is broken")
+
+
+class RaisingDataset(tud.Dataset):
+    """Item `bad` raises DatasetError from _explode_in_getitem."""
+
+    def __init__(self, n=16, bad=5):
+        self.n, self.bad = n, bad
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            _explode_in_getitem(i)
+        return torch.tensor([i])
+
+
+def _explode_in_collate(batch):
+    raise CollateError(f"cannot collate a batch of {len(batch)}")
+
+
+def raising_collate(batch):
+    """A collate_fn that always raises CollateError."""
+    _explode_in_collate(batch)
+
+
+class GrowingDataset(tud.Dataset):
+    """Item i is arange(length(i)) + i; the first batch is tiny, later ones alternate huge/small."""
+
+    def __init__(self, n=16, batch_size=4):
+        self.n, self.batch_size = n, batch_size
+
+    def __len__(self):
+        return self.n
+
+    def length(self, i):
+        batch = i // self.batch_size
+        return 2 if batch == 0 else (100_000 + 1000 * i if batch % 2 else 3)
+
+    def __getitem__(self, i):
+        return torch.arange(self.length(i), dtype=torch.float32) + i
+
+
+def pad_collate(batch):
+    """Right-pad variable-length 1-D tensors with -1; returns (padded, lengths)."""
+    lengths = torch.tensor([len(t) for t in batch])
+    padded = torch.full((len(batch), int(lengths.max())), -1.0)
+    for row, t in enumerate(batch):
+        padded[row, : len(t)] = t
+    return padded, lengths
+
+
+def tuple_collate(batch):
+    """A custom collate_fn returning (doubled stacked x, list of python indices, a str, a numpy scalar)."""
+    return (
+        torch.stack([s["x"] for s in batch]) * 2,
+        [s["index"] for s in batch],
+        f"custom-{len(batch)}",
+        np.stack([s["np"] for s in batch]).sum(),
+    )
+
+
+class EveryOtherSampler(tud.Sampler):
+    """Yields the odd indices, then the even ones, in reverse."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        return iter(list(range(1, self.n, 2))[::-1] + list(range(0, self.n, 2))[::-1])
+
+
+class IrregularBatchSampler(tud.Sampler):
+    """Batches of growing size: [0], [1, 2], [3, 4, 5], ... with the last one short."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return sum(1 for _ in self)
+
+    def __iter__(self):
+        start, size = 0, 1
+        while start < self.n:
+            yield list(range(start, min(start + size, self.n)))
+            start, size = start + size, size + 1
+
+
+def offset_worker_init(worker_id):
+    """A worker_init_fn whose effects show in the samples: offsets indices and reseeds RNGs."""
+    info = tud.get_worker_info()
+    info.dataset.offset = 1000 * (worker_id + 1)
+    random.seed(worker_id + 11)
+    np.random.seed(worker_id + 13)

@@ -1,0 +1,123 @@
+"""Shared test machinery: leak checks after every test, a hang guard, candidate selection.
+
+Set FASTFEED_TEST_AGAINST_TORCH=1 to run the suite with torch's own DataLoader as the
+candidate (see _candidate.py); tests marked `fastfeed_only` are then skipped.
+"""
+
+import faulthandler
+import multiprocessing.resource_tracker
+import os
+import pickle
+import signal
+import sys
+
+import pytest
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+# Spawned workers unpickle datasets by module name; they inherit sys.path, so putting
+# tests/ on it here lets `_datasets` import there however pytest was started.
+if TESTS_DIR not in sys.path:
+    sys.path.insert(0, TESTS_DIR)
+
+import _candidate  # noqa: E402
+import _leaks  # noqa: E402
+
+DEFAULT_HANG_LIMIT_S = 60
+LEAK_GRACE_S = 5.0
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes minutes; deselect with -m 'not slow'")
+    config.addinivalue_line("markers", "fastfeed_only: checks a fastfeed extension torch lacks")
+    config.addinivalue_line("markers", "hang_limit(seconds): fail the test if it runs longer")
+
+
+def pytest_report_header(config):
+    return f"DataLoader under test: {_candidate.NAME}"
+
+
+def pytest_collection_modifyitems(config, items):
+    if not _candidate.AGAINST_TORCH:
+        return
+    skip = pytest.mark.skip(reason="fastfeed extension; FASTFEED_TEST_AGAINST_TORCH is set")
+    for item in items:
+        if "fastfeed_only" in item.keywords:
+            item.add_marker(skip)
+
+
+def assert_spawn_picklable(*objs):
+    """Fail unless each object survives pickling by reference, as spawn requires.
+
+    Spawn re-imports the defining module in the worker, so classes and functions must be
+    module-level in an importable module (tests/_datasets.py), never in a test body.
+    """
+    for obj in objs:
+        owner = obj if callable(obj) and hasattr(obj, "__qualname__") else type(obj)
+        assert "<locals>" not in owner.__qualname__, f"{owner.__qualname__} is not module-level"
+        assert owner.__module__ != "__main__", f"{owner.__qualname__} lives in __main__"
+        pickle.loads(pickle.dumps(obj))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_singletons():
+    """Start once-per-process helpers before the first test so they don't read as leaks.
+
+    The first spawn starts multiprocessing's resource tracker, a child process that
+    lives until the interpreter exits.
+    """
+    multiprocessing.resource_tracker.ensure_running()
+    yield
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request):
+    """Fail a test that leaves behind a child process, a file descriptor or a shm segment."""
+    before = _leaks.Snapshot.take()
+    yield
+    # pytest keeps a failed test's traceback in sys.last_* (for post-mortem debugging);
+    # its frames would keep that test's loaders alive and report the failure twice.
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            delattr(sys, name)
+    leaked = _leaks.wait_for_no_leaks(before, timeout=LEAK_GRACE_S)
+    if leaked:
+        pytest.fail(
+            f"{request.node.nodeid} leaked (still there {LEAK_GRACE_S:.0f} s after it ended):\n  "
+            + "\n  ".join(leaked),
+            pytrace=False,
+        )
+
+
+class HangGuardTimeout(Exception):
+    """The test ran past its hang limit."""
+
+
+@pytest.fixture(autouse=True)
+def hang_guard(request, no_leaks):
+    """Turn a hang into a failure: SIGALRM raises in the test; faulthandler is the backstop.
+
+    Depends on no_leaks so that the alarm is disarmed before the leak check polls.
+    """
+    marker = request.node.get_closest_marker("hang_limit")
+    limit = int(marker.args[0]) if marker else DEFAULT_HANG_LIMIT_S
+
+    def on_alarm(signum, frame):
+        raise HangGuardTimeout(f"test still running after {limit} s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(limit)
+    # If the alarm can't interrupt (stuck in native code holding the GIL), dump every
+    # thread's stack and exit rather than hang the whole suite.
+    faulthandler.dump_traceback_later(limit + 30, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture
+def spawn_picklable():
+    """assert_spawn_picklable, for tests that start workers with spawn."""
+    return assert_spawn_picklable
