@@ -19,7 +19,7 @@ import transport
 
 DEFAULTS = dict(rounds=5)
 QUICK = dict(rounds=2)
-COLUMNS = (("main_cpu_s", "main CPU"), ("peak_pss", "peak PSS"), ("ttfb", "1st batch"))
+COLUMNS = (("main_cpu_s", "main CPU"), ("peak_pss", "peak PSS"), ("peak_footprint", "footprint"), ("ttfb", "1st batch"))
 
 
 def _ratio(stat: dict) -> str:

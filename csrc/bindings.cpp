@@ -1,9 +1,11 @@
 // The fastfeed._C module: thin bindings over csrc/, one register_<topic>() per topic.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
 #include <string>
 
+#include "copy.h"
 #include "segment.h"
 
 namespace py = pybind11;
@@ -52,6 +54,18 @@ void register_segment(py::module_& m) {
   m.def("unlink", &unlink_segment, py::arg("name"));
 }
 
+void register_copy(py::module_& m) {
+  // Addresses, not buffers: the caller (layout.fill) holds the tensors alive and has
+  // checked that each source is contiguous and that the destination has room.
+  m.def(
+      "gather",
+      [](std::uintptr_t dst, const std::vector<std::pair<std::uintptr_t, std::size_t>>& srcs) {
+        py::gil_scoped_release nogil;
+        gather(reinterpret_cast<std::uint8_t*>(dst), srcs);
+      },
+      py::arg("dst"), py::arg("srcs"));
+}
+
 }  // namespace
 }  // namespace fastfeed
 
@@ -60,4 +74,5 @@ PYBIND11_MODULE(_C, m) {
   fastfeed::register_errors();
   fastfeed::register_segment(m);
   fastfeed::register_lease(m);
+  fastfeed::register_copy(m);
 }

@@ -62,7 +62,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
                 self._shared_seed, self._ring.prefix, parent,
             )  # fmt: skip
 
-        self._pool = Pool(context, self._num_workers, _worker_entry, args_for)
+        self._pool = Pool(context, self._num_workers, worker_main, args_for)
         self._shutdown = False
         _live.add(self)
         self._reset(loader, first_iter=True)
@@ -188,7 +188,8 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
                 if self._persistent_workers:
                     self._workers_status[msg.worker_id] = False
                 else:
-                    self._mark_worker_as_unavailable(msg.worker_id)
+                    self._pool.retire(msg.worker_id)
+                    self._workers_status[msg.worker_id] = False
                 self._ring.release(self._task_info[msg.idx][1])
                 self._task_info[msg.idx][1] = None
                 continue
@@ -241,10 +242,6 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
 
     # -- shutdown -------------------------------------------------------------------
 
-    def _mark_worker_as_unavailable(self, worker_id, shutdown=False) -> None:
-        self._pool.retire(worker_id)
-        self._workers_status[worker_id] = False
-
     def _shutdown_workers(self) -> None:
         if self._shutdown:
             return
@@ -259,6 +256,3 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
     def __del__(self) -> None:
         self._shutdown_workers()
 
-
-def _worker_entry(*args):
-    worker_main(*args)

@@ -337,3 +337,17 @@ def test_lease_requires_segment():
     """A lease over anything but a Segment raises TypeError."""
     with pytest.raises(TypeError):
         _C.Lease(bytearray(8), lambda: None)
+
+
+# --- gather: the hot copy into slots -----------------------------------------------------
+
+
+@pytest.mark.parametrize("sizes", [[0], [1, 15, 17], [16 * 1024], [100_003, 64, 200_000, 33]])
+@pytest.mark.parametrize("dst_offset", [0, 1, 13])
+def test_gather_copies_every_source_back_to_back(sizes, dst_offset):
+    """gather writes each source's bytes, in order, at consecutive destination bytes, whatever the alignment."""
+    srcs = [torch.randint(0, 256, (n + 3,), dtype=torch.uint8)[3:] for n in sizes]  # misaligned sources
+    dst = torch.zeros(sum(sizes) + dst_offset + 8, dtype=torch.uint8)
+    _C.gather(dst.data_ptr() + dst_offset, [(s.data_ptr(), s.nbytes) for s in srcs])
+    assert torch.equal(dst[dst_offset : dst_offset + sum(sizes)], torch.cat(srcs))
+    assert not dst[:dst_offset].any() and not dst[dst_offset + sum(sizes) :].any()

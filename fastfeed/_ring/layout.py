@@ -16,9 +16,13 @@ import pickle
 import torch
 from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
+from .._native import C
 from .._workers.messages import Leaf
 
 ALIGN = 64  # cache-line alignment keeps every dtype view legal and copies fast
+# Leaves at least this large are copied by the native gather (streaming stores);
+# below it, torch.stack is as fast and the per-sample checks would dominate.
+GATHER_MIN_SAMPLE_BYTES = 16 * 1024
 
 
 class Stack:
@@ -125,14 +129,35 @@ def view(base: torch.Tensor, leaf: Leaf) -> torch.Tensor:
     return base[leaf.offset : leaf.offset + n].view(leaf.dtype).view(leaf.shape)
 
 
+def _gatherable(stack: Stack) -> bool:
+    """Whether every sample is plain contiguous CPU memory of the batch's dtype and shape.
+
+    Anything else goes through torch.stack, which casts, or raises torch's own error.
+    """
+    shape, dtype = stack.shape[1:], stack.dtype
+    return all(
+        type(t) is torch.Tensor
+        and t.layout == torch.strided
+        and t.device.type == "cpu"
+        and t.dtype == dtype
+        and t.shape == shape
+        and t.is_contiguous()
+        and not t.is_conj()
+        and not t.is_neg()
+        for t in stack.tensors
+    )
+
+
 def fill(base: torch.Tensor, objs, layout) -> None:
     """Write every leaf into slot memory: the batch's one and only copy."""
     for obj, leaf in zip(objs, layout):
         dest = view(base, leaf)
-        if type(obj) is Stack:
-            torch.stack(obj.tensors, 0, out=dest)
-        else:
+        if type(obj) is not Stack:
             dest.copy_(obj.detach())
+        elif obj.tensors[0].nbytes >= GATHER_MIN_SAMPLE_BYTES and _gatherable(obj):
+            C.gather(dest.data_ptr(), [(t.data_ptr(), t.nbytes) for t in obj.tensors])
+        else:
+            torch.stack(obj.tensors, 0, out=dest)
 
 
 def unpack(payload: bytes, layout, base: torch.Tensor | None):

@@ -86,32 +86,25 @@ class Pool:
             raise self.death(w) from None
 
     def recv(self, wid: int, timeout: float | None):
-        """The next message from worker ``wid``; raises on death or timeout."""
+        """The next message from worker ``wid``; raises on its death or on timeout."""
         w = self.workers[wid]
-        deadline = None if not timeout else time.monotonic() + timeout
-        while True:
-            wait = STATUS_CHECK_S if deadline is None else max(0.0, deadline - time.monotonic())
-            events = w.poller.poll(wait * 1000)
-            for fd, _ in events:
-                if fd == w.results.fileno():
-                    return self._read(w)
-            if events:  # only the sentinel fired: the process exited
-                raise self.death(w)
-            if deadline is not None and time.monotonic() >= deadline:
-                raise RuntimeError(f"DataLoader timed out after {timeout} seconds")
+        return self._wait(w.poller, lambda fd: w, timeout)
 
     def recv_any(self, timeout: float | None):
         """The next message from whichever worker answers first."""
+        return self._wait(self._any, self._fd_owner.__getitem__, timeout)
+
+    def _wait(self, poller, owner, timeout):
         deadline = None if not timeout else time.monotonic() + timeout
         while True:
             wait = STATUS_CHECK_S if deadline is None else max(0.0, deadline - time.monotonic())
-            events = self._any.poll(wait * 1000)
+            events = poller.poll(wait * 1000)
             for fd, _ in events:
-                w = self._fd_owner[fd]
+                w = owner(fd)
                 if fd == w.results.fileno():
-                    return self._read(w)
-            if events:
-                raise self.death(self._fd_owner[events[0][0]])
+                    return self._read(w)  # data first: a worker may exit right after its last reply
+            if events:  # only a sentinel fired: that process exited
+                raise self.death(owner(events[0][0]))
             if deadline is not None and time.monotonic() >= deadline:
                 raise RuntimeError(f"DataLoader timed out after {timeout} seconds")
 
