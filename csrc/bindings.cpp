@@ -36,7 +36,8 @@ void register_segment(py::module_& m) {
   py::class_<Segment>(m, "Segment", py::buffer_protocol())
       .def_static("create", &Segment::create, py::arg("name"), py::arg("size"), py::kw_only(),
                   py::arg("numa_node") = -1, py::arg("hugepage") = true, nogil())
-      .def_static("attach", &Segment::attach, py::arg("name"), nogil())
+      .def_static("attach", &Segment::attach, py::arg("name"), py::kw_only(), py::arg("populate") = true,
+                  nogil())
       .def_property_readonly("name", &Segment::name)
       .def_property_readonly("size", &Segment::size)
       .def_property_readonly("address",

@@ -116,7 +116,7 @@ std::unique_ptr<Segment> Segment::create(const std::string& name_in, std::int64_
   return std::unique_ptr<Segment>(new Segment(name, addr, size, bound));
 }
 
-std::unique_ptr<Segment> Segment::attach(const std::string& name_in) {
+std::unique_ptr<Segment> Segment::attach(const std::string& name_in, bool populate) {
   const std::string name = normalize_name(name_in);
   Fd fd{::shm_open(name.c_str(), O_RDWR, 0)};
   if (fd.fd < 0) {
@@ -145,7 +145,7 @@ std::unique_ptr<Segment> Segment::attach(const std::string& name_in) {
 
   const auto size = static_cast<std::size_t>(st.st_size);
   void* addr =
-      ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd.fd, 0);
+      ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | (populate ? MAP_POPULATE : 0), fd.fd, 0);
   if (addr == MAP_FAILED) {
     const int err = errno;
     throw OsError(err, "cannot map " + std::to_string(size) + " bytes of segment " + name);

@@ -32,7 +32,8 @@ class Segment {
   static std::unique_ptr<Segment> create(const std::string& name, std::int64_t size,
                                          int numa_node = -1, bool hugepage = true);
   // Maps an existing segment, which must belong to this euid and be mode 0600-like.
-  static std::unique_ptr<Segment> attach(const std::string& name);
+  // populate: map every page now (for memory about to be written or read in full).
+  static std::unique_ptr<Segment> attach(const std::string& name, bool populate = true);
 
   ~Segment();
   Segment(const Segment&) = delete;

@@ -10,6 +10,7 @@ comes back as views of the slot.
 from __future__ import annotations
 
 import atexit
+import collections
 import functools
 import itertools
 import os
@@ -26,6 +27,19 @@ from ._ring.ring import Ring
 from ._workers import messages as m
 from ._workers.loop import worker_main
 from ._workers.pool import Pool, WorkerDied
+
+class _Task:
+    """One batch's task, from the moment its index is taken until it is yielded."""
+
+    __slots__ = ("wid", "index", "slot", "sent", "msg")
+
+    def __init__(self, wid: int, index):
+        self.wid = wid
+        self.index = index
+        self.slot = None  # the ring slot lent to it, once sent
+        self.sent = False
+        self.msg = None  # the worker's answer, once received
+
 
 # Iterators whose workers must be stopped, and segments unlinked, at exit.
 _live: weakref.WeakSet = weakref.WeakSet()
@@ -72,6 +86,9 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
     def _reset(self, loader, first_iter=False) -> None:
         super()._reset(loader, first_iter)
         if not first_iter:
+            # Workers must see every task torch's would have, so that their
+            # random streams carry into the next epoch exactly as torch's do.
+            self._send_ready(force=True)
             for wid in range(self._num_workers):
                 self._pool.send(wid, m.Resume(self._shared_seed))
             for wid in range(self._num_workers):
@@ -79,15 +96,14 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
             self._forget_tasks()  # only now: workers may have been writing into those slots
         self._send_idx = 0
         self._rcvd_idx = 0
-        # idx -> [worker_id, slot, message or None]; message set once received
-        self._task_info: dict[int, list] = {}
+        self._task_info: dict[int, _Task] = {}  # tasks not yet yielded, by batch index
+        self._unsent: collections.deque[int] = collections.deque()  # waiting for a free slot
         self._tasks_outstanding = 0
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
-        self._sampler_done = False
-        self._starved = False  # the last task could not be sent for want of a slot
-        self._fill()
+        for _ in range(self._prefetch_factor * self._num_workers):
+            self._try_put_index()
 
     def _drain_until_ack(self, wid) -> None:
         # Results of last epoch's unfinished tasks arrive before the ack; drop them.
@@ -99,36 +115,33 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
                 segments.unlink(msg.overflow)
 
     def _forget_tasks(self) -> None:
-        """Return the slots of tasks that will never be yielded."""
-        for _, slot, msg in self._task_info.values():
-            self._ring.release(slot)
-            if type(msg) is m.Done and msg.overflow:
-                segments.unlink(msg.overflow)
+        """Settle the tasks that will never be yielded."""
+        for task in self._task_info.values():
+            self._discard(task)
         self._task_info = {}
+        self._unsent.clear()
 
-    def _fill(self) -> None:
-        """Send tasks until the prefetch window or the free slots run out."""
-        while self._tasks_outstanding < self._prefetch_factor * self._num_workers:
-            if not self._try_put_index():
-                return
+    def _discard(self, task: _Task) -> None:
+        """Settle a task whose batch is not returned: its slot or segment goes back."""
+        if task.sent and task.slot is None:
+            self._ring.pending -= 1
+        self._ring.release(task.slot)
+        if type(task.msg) is m.Done and task.msg.overflow:
+            segments.unlink(task.msg.overflow)
 
-    def _try_put_index(self) -> bool:
-        if self._sampler_done:
-            return False
-        slot = None
-        if self._ring.sized:
-            slot = self._ring.acquire()
-            self._starved = slot is None
-            if slot is None:
-                return False  # every slot is lent out: the window is full
+    def _try_put_index(self) -> None:
+        """torch's: take the next index and assign it a worker, at the same moments torch does.
+
+        Consuming the sampler and choosing the worker here, exactly when torch
+        does, keeps the batches, their workers and any random draws the sampler
+        makes identical to torch's. Only the sending may wait for a free slot.
+        """
+        max_tasks = self._prefetch_factor * self._num_workers
         try:
             index = self._next_index()
         except StopIteration:
-            self._sampler_done = True
-            self._ring.release(slot)
-            return False
-        max_tasks = self._prefetch_factor * self._num_workers
-        for _ in range(self._num_workers):  # torch's choice of the next active worker
+            return
+        for _ in range(self._num_workers):  # find the next active worker, if any
             wid = next(self._worker_queue_idx_cycle)
             if self._workers_status[wid]:
                 if self._in_order:
@@ -136,14 +149,34 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
                 if self._workers_num_tasks[wid] < max_tasks // sum(self._workers_status):
                     break
         else:
-            self._ring.release(slot)
-            return False
-        self._pool.send(wid, m.Task(self._send_idx, index, None if slot is None else slot.ref()))
-        self._task_info[self._send_idx] = [wid, slot, None]
+            return  # as torch: no worker can take it, and the index is dropped
+        self._task_info[self._send_idx] = _Task(wid, index)
+        self._unsent.append(self._send_idx)
         self._workers_num_tasks[wid] += 1
         self._tasks_outstanding += 1
         self._send_idx += 1
-        return True
+        self._send_ready()
+
+    def _send_ready(self, force: bool = False) -> None:
+        """Send waiting tasks in order, each with a free slot (with ``force``, without one)."""
+        while self._unsent:
+            idx = self._unsent[0]
+            task = self._task_info.get(idx)
+            if task is None or not self._workers_status[task.wid]:
+                self._unsent.popleft()  # its worker is done: torch's worker would ignore it
+                continue
+            slot = self._ring.acquire()
+            if slot is None and self._ring.sized and not force:
+                return
+            self._unsent.popleft()
+            self._send(idx, task, slot)
+
+    def _send(self, idx: int, task: _Task, slot) -> None:
+        if slot is None:
+            # The worker writes into a segment of its own; the ring may adopt it.
+            self._ring.pending += 1
+        task.slot, task.sent = slot, True
+        self._pool.send(task.wid, m.Task(idx, task.index, None if slot is None else slot.ref()))
 
     # -- receiving ----------------------------------------------------------------
 
@@ -158,17 +191,13 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
 
     def _next_batch(self):
         while True:
-            self._fill()
-            if self._tasks_outstanding == 0 and self._starved:
-                # Nothing in flight and no free slot: the user holds them all.
-                self._ring.grow()
-                self._fill()
+            self._send_ready()  # slots freed since the last call (batches the user let go)
             while self._rcvd_idx < self._send_idx:
-                info = self._task_info.get(self._rcvd_idx)
-                if info:
-                    if info[2] is not None or self._workers_status[info[0]]:
+                task = self._task_info.get(self._rcvd_idx)
+                if task:
+                    if task.msg is not None or self._workers_status[task.wid]:
                         break
-                    self._ring.release(info[1])
+                    self._discard(task)
                     del self._task_info[self._rcvd_idx]
                 self._rcvd_idx += 1
             else:
@@ -176,25 +205,29 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
                     self._shutdown_workers()
                 raise StopIteration
 
-            info = self._task_info[self._rcvd_idx]
-            if info[2] is not None:
+            task = self._task_info[self._rcvd_idx]
+            if task.msg is not None:
                 del self._task_info[self._rcvd_idx]
                 self._rcvd_idx += 1
-                return self._process(info)
+                return self._process(task)
+            if not task.sent:
+                # The batch we need waits for a slot, and the user holds every
+                # one: send it anyway, and let its segment join the ring.
+                self._ring.grow()
+                self._unsent.popleft()
+                self._send(self._rcvd_idx, task, None)
 
-            msg = self._get_data(info[0])
+            msg = self._get_data(task.wid)
             self._tasks_outstanding -= 1
-            if type(msg) is m.IterEnd:
-                if self._persistent_workers:
-                    self._workers_status[msg.worker_id] = False
-                else:
-                    self._pool.retire(msg.worker_id)
-                    self._workers_status[msg.worker_id] = False
-                self._ring.release(self._task_info[msg.idx][1])
-                self._task_info[msg.idx][1] = None
-                continue
             got = self._task_info[msg.idx]
-            got[2] = msg
+            got.msg = msg
+            if type(msg) is m.IterEnd:
+                self._workers_status[msg.worker_id] = False
+                if not self._persistent_workers:
+                    self._pool.retire(msg.worker_id)
+                self._discard(self._task_info.pop(msg.idx))
+                self._try_put_index()
+                continue
             if msg.idx != self._rcvd_idx:
                 if not self._in_order:
                     del self._task_info[msg.idx]
@@ -211,16 +244,16 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
             return self._pool.recv(wid, self._timeout)
         return self._pool.recv_any(self._timeout)
 
-    def _process(self, info):
-        wid, slot, msg = info
-        self._workers_num_tasks[wid] -= 1
+    def _process(self, task: _Task):
+        msg = task.msg
+        self._workers_num_tasks[task.wid] -= 1
         if type(msg) is m.Done:
-            self._ring.note_batch(msg.nbytes)  # before _fill, so new tasks get slots
-        self._fill()
+            self._ring.note_batch(msg.nbytes)  # first, so the next task can get a slot
+        self._try_put_index()
         if type(msg) is m.Failed:
-            self._ring.release(slot)
+            self._discard(task)
             msg.error.reraise()
-        data = self._materialize(msg, slot)
+        data = self._materialize(msg, task.slot)
         if self._pin_memory:
             # With an accelerator, pin as torch does (a copy, in this thread);
             # registering the slots themselves is the pinned-staging stage's job.
@@ -228,16 +261,23 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         return data
 
     def _materialize(self, msg: m.Done, slot):
+        if slot is None:
+            self._ring.pending -= 1
+        base = None
         if msg.overflow:
+            # Mapped lazily: a one-off batch is read at most once, page by page.
+            seg = segments.attach(msg.overflow, populate=False)
+            adopted = self._ring.adopt(seg) if slot is None else None
+            if adopted is not None:
+                base = self._ring.lend(adopted)
+            else:
+                segments.unlink(msg.overflow)  # mapped now; the name is no longer needed
+                base = torch.frombuffer(seg, dtype=torch.uint8)
             self._ring.release(slot)
-            seg = segments.attach(msg.overflow)
-            segments.unlink(msg.overflow)  # mapped now; the name is no longer needed
-            base = torch.frombuffer(seg, dtype=torch.uint8)
         elif msg.nbytes:
             base = self._ring.lend(slot)
         else:
             self._ring.release(slot)
-            base = None
         return layout.unpack(msg.payload, msg.leaves, base)
 
     # -- shutdown -------------------------------------------------------------------

@@ -262,3 +262,18 @@ def offset_worker_init(worker_id):
     info.dataset.offset = 1000 * (worker_id + 1)
     random.seed(worker_id + 11)
     np.random.seed(worker_id + 13)
+
+
+class LazyRandomSampler(tud.Sampler):
+    """Draws each index from the global torch RNG only when asked, so *when* the loader
+    consumes the sampler shows in the random stream the training loop sees."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        for _ in range(self.n):
+            yield int(torch.randint(0, self.n, ()).item())

@@ -3,8 +3,11 @@
 A slot is lent to one task at a time, and a task is only sent when a slot is
 free, so the free slots are the prefetch window. The slot comes back when the
 last tensor viewing it dies (its ``Lease`` is destroyed), or at once when the
-task did not use it. Slots are created lazily, sized from the first batch; a
-batch that outgrew them went to an overflow segment and later slots grow.
+task did not use it. Until the first batch is seen, tasks go out without a
+slot and each worker writes into a segment of its own making; those segments
+become the first slots (so starting costs no extra memory or first touch).
+A batch that outgrew its slot goes to such a one-off segment too, and later
+slots grow.
 """
 
 from __future__ import annotations
@@ -22,10 +25,6 @@ from . import segments
 
 class RingGrowthWarning(UserWarning):
     """The ring had to grow because returned batches are still referenced."""
-
-
-def _pages(nbytes: int) -> int:
-    return -(-nbytes // 4096) * 4096
 
 
 class Slot:
@@ -55,6 +54,9 @@ class Ring:
         # being kept.
         self._quiet_capacity = capacity + 1
         self.slot_size = 0  # unknown until the first batch arrives
+        # Tasks sent without a slot whose segments may still be adopted: they
+        # count against capacity so the ring never holds more than the window.
+        self.pending = 0
         self._slots: list[Slot] = []
         # Leases append from whichever thread drops the last view; deque.append
         # and popleft are atomic, so no lock is needed.
@@ -72,24 +74,34 @@ class Ring:
         if self.slot_size == 0:
             # Most workloads have fixed-shape batches: exact slots cost no memory
             # beyond torch's own per-batch segments.
-            self.slot_size = _pages(nbytes)
+            self.slot_size = segments.pages(nbytes)
         elif nbytes > self.slot_size:
             # Sizes vary: leave 25% headroom so growth happens a few times, not
             # every few batches.
-            self.slot_size = _pages(nbytes + nbytes // 4)
+            self.slot_size = segments.pages(nbytes + nbytes // 4)
 
     def acquire(self) -> Slot | None:
-        """A free slot of the current size, or None when all are lent out."""
+        """A free slot of the current size, or None when all are lent out (or none is sized yet)."""
+        if not self.sized:
+            return None
         if self._free:
             slot = self._free.popleft()
             if slot.segment.size < self.slot_size:
                 self._regrow(slot)
             return slot
-        if len(self._slots) < self.capacity:
+        if len(self._slots) + self.pending < self.capacity:
             slot = Slot(len(self._slots), segments.create(self.prefix, self.slot_size))
             self._slots.append(slot)
             return slot
         return None
+
+    def adopt(self, segment) -> Slot | None:
+        """Keep a worker-made segment as a slot, if the ring has room and it is big enough."""
+        if len(self._slots) >= self.capacity or segment.size < self.slot_size:
+            return None
+        slot = Slot(len(self._slots), segment)
+        self._slots.append(slot)
+        return slot
 
     def _regrow(self, slot: Slot) -> None:
         # The old mapping stays alive for as long as anything still views it;
@@ -98,7 +110,7 @@ class Ring:
         slot.segment = segments.create(self.prefix, self.slot_size)
 
     def grow(self) -> None:
-        """Add one slot because every slot is held by batches the user kept."""
+        """Make room for one more slot because every slot is held by batches the user kept."""
         self.capacity += 1
         if self.capacity > self._quiet_capacity and not self._warned:
             self._warned = True

@@ -16,6 +16,12 @@ import secrets
 from .. import _native
 
 SHM_DIR = "/dev/shm"  # where glibc's shm_open puts POSIX shared memory on Linux
+PAGE = os.sysconf("SC_PAGESIZE")
+
+
+def pages(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole pages: the size of every segment we create."""
+    return -(-nbytes // PAGE) * PAGE
 
 
 def new_prefix() -> str:
@@ -39,8 +45,8 @@ def create(prefix: str, size: int):
         raise
 
 
-def attach(name: str):
-    return _native.C.Segment.attach(name)
+def attach(name: str, populate: bool = True):
+    return _native.C.Segment.attach(name, populate=populate)
 
 
 def unlink(name: str) -> bool:

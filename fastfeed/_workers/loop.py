@@ -44,7 +44,7 @@ class SlotWriter:
             if task.slot is not None and nbytes <= task.slot.size:
                 base = self._base(task.slot)
             else:  # no slot yet, or the batch outgrew it: a one-off segment
-                seg = segments.create(self.prefix, nbytes)
+                seg = segments.create(self.prefix, segments.pages(nbytes))
                 overflow = seg.name
                 base = torch.frombuffer(seg, dtype=torch.uint8)
             layout.fill(base, objs, leaves)
