@@ -7,8 +7,11 @@ minus the PSS just before the loader is made (bar: <= 1.0x torch).
 
 Run: .venv/bin/python benchmarks/startup.py [--quick] [--rounds N] [--num-workers 2] [--mp-context spawn] [--out DIR]
 
-Measured (paste the figure lines of a full run here):
-  (to be filled by the lead)
+Measured:
+  (2026-11-29, 2-core VM, torch 2.13 CPU, `.venv/bin/python benchmarks/startup.py`)
+  startup nw=2  fastfeed/torch ttfb  median 0.61x (min 0.39x, max 0.86x)  fastfeed 21.8 ms  torch 38.5 ms  bar <=1.0x ok
+  startup nw=2  fastfeed/torch peak_pss  median 2.06x (min 1.51x, max 2.07x)  fastfeed 50.2 MB  torch 24.4 MB  bar <=1.0x MISSED
+  startup nw=2  fastfeed/torch peak_footprint  median 0.94x (min 0.80x, max 0.94x)  fastfeed 50.2 MB  torch 53.4 MB  bar <=1.0x ok
 """
 
 from __future__ import annotations

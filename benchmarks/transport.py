@@ -8,8 +8,16 @@ Two comparisons per worker count N:
 
 Run: .venv/bin/python benchmarks/transport.py [--quick] [--rounds N] [--num-workers 1 2] [--out DIR]
 
-Measured (paste the figure lines of a full run here):
-  (to be filled by the lead)
+Measured:
+  (2026-11-29, 2-core VM, torch 2.13 CPU, `.venv/bin/python benchmarks/transport.py`)
+  transport nw=2  fastfeed/torch throughput  median 10.32x (min 9.70x, max 11.63x)  fastfeed 17.6 GB/s  torch 1.71 GB/s
+  transport nw=2  fastfeed/torch peak_pss  median 1.97x (min 1.48x, max 2.04x)  fastfeed 50.1 MB  torch 25.6 MB
+  transport nw=2  fastfeed/torch peak_footprint  median 0.93x (min 0.88x, max 0.93x)  fastfeed 50.1 MB  torch 54 MB
+  transport nw=2  fastfeed/torch ttfb  median 0.56x (min 0.42x, max 0.62x)  fastfeed 23.8 ms  torch 44.4 ms
+  transport nw=2 vs torch nw=0  fastfeed/torch throughput  median 0.95x (min 0.78x, max 1.10x)  fastfeed 17.3 GB/s  torch 18.7 GB/s  bar >=0.9x ok
+  transport nw=2 vs torch nw=0  fastfeed/torch peak_pss  median 0.74x (min 0.74x, max 5.14x)  fastfeed 49.6 MB  torch 67.4 MB
+  transport nw=2 vs torch nw=0  fastfeed/torch peak_footprint  median 0.74x (min 0.73x, max 5.14x)  fastfeed 49.6 MB  torch 67.4 MB
+  transport nw=2 vs torch nw=0  fastfeed/torch ttfb  median 6.52x (min 6.27x, max 7.71x)  fastfeed 24.1 ms  torch 3.23 ms
 """
 
 from __future__ import annotations
