@@ -43,6 +43,7 @@ void copy_one(std::uint8_t* dst, const std::uint8_t* src, std::size_t n) {
 
 void gather(std::uint8_t* dst, const std::vector<std::pair<std::uintptr_t, std::size_t>>& srcs) {
   for (const auto& [addr, n] : srcs) {
+    if (n == 0) continue;  // an empty tensor's address may be null, and memcpy(.., null, 0) is UB
     copy_one(dst, reinterpret_cast<const std::uint8_t*>(addr), n);
     dst += n;
   }

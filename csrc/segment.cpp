@@ -25,6 +25,20 @@ std::string describe(int err, const std::string& doing) {
   return std::generic_category().message(err) + ": " + doing;  // thread-safe strerror
 }
 
+// A name with a '/' after the first character is a file path (FASTFEED_SHM_DIR puts
+// segments on another tmpfs or hugetlbfs mount); any other name is a POSIX shm name.
+bool is_path(const std::string& name) { return name.find('/', 1) != std::string::npos; }
+
+int open_segment(const std::string& name, int flags, mode_t mode) {
+  // O_NOFOLLOW: in a shared directory, a planted symlink must not redirect us.
+  return is_path(name) ? ::open(name.c_str(), flags | O_CLOEXEC | O_NOFOLLOW, mode)
+                       : ::shm_open(name.c_str(), flags, mode);
+}
+
+int remove_segment(const std::string& name) {
+  return is_path(name) ? ::unlink(name.c_str()) : ::shm_unlink(name.c_str());
+}
+
 // Closes the descriptor on every path out of create/attach.
 struct Fd {
   int fd;
@@ -37,7 +51,7 @@ struct Fd {
 [[noreturn]] void fail_create(const std::string& name, void* addr, std::size_t size, int err,
                               const std::string& doing) {
   if (addr != nullptr) ::munmap(addr, size);
-  ::shm_unlink(name.c_str());
+  remove_segment(name);
   throw OsError(err, doing);
 }
 
@@ -69,9 +83,9 @@ OsError::OsError(int err, const std::string& doing)
 
 std::string normalize_name(const std::string& name) {
   std::string n = (!name.empty() && name[0] == '/') ? name : "/" + name;
-  if (n.size() < 2 || n.find('/', 1) != std::string::npos)
+  if (n.size() < 2 || n.back() == '/' || (is_path(n) && name[0] != '/'))
     throw std::invalid_argument("invalid shared memory segment name '" + name +
-                                "': it must be non-empty and contain no '/' after the first");
+                                "': it must be a name without '/', or an absolute file path");
   return n;
 }
 
@@ -86,7 +100,7 @@ std::unique_ptr<Segment> Segment::create(const std::string& name_in, std::int64_
                              " bytes of shared memory for segment " + name;
 
   // O_EXCL: a name is never silently shared with a stale or foreign segment.
-  Fd fd{::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600)};
+  Fd fd{open_segment(name, O_CREAT | O_EXCL | O_RDWR, 0600)};
   if (fd.fd < 0) {
     const int err = errno;
     throw OsError(err, err == EEXIST ? "shared memory segment " + name + " already exists"
@@ -118,7 +132,7 @@ std::unique_ptr<Segment> Segment::create(const std::string& name_in, std::int64_
 
 std::unique_ptr<Segment> Segment::attach(const std::string& name_in, bool populate) {
   const std::string name = normalize_name(name_in);
-  Fd fd{::shm_open(name.c_str(), O_RDWR, 0)};
+  Fd fd{open_segment(name, O_RDWR, 0)};
   if (fd.fd < 0) {
     const int err = errno;
     throw OsError(err, err == ENOENT ? "no shared memory segment named " + name
@@ -157,7 +171,7 @@ Segment::~Segment() { ::munmap(data_, size_); }
 
 bool unlink_segment(const std::string& name_in) {
   const std::string name = normalize_name(name_in);
-  if (::shm_unlink(name.c_str()) == 0) return true;
+  if (remove_segment(name) == 0) return true;
   const int err = errno;
   if (err == ENOENT) return false;
   throw OsError(err, "cannot unlink shared memory segment " + name);

@@ -54,10 +54,13 @@ class Segment {
   bool numa_bound_;
 };
 
-// "/x" or "x" -> "/x". Throws std::invalid_argument for an empty name or one with another '/'.
+// "/x" or "x" -> "/x", a POSIX shm name. An absolute path ("/dir/x") names a file-backed
+// segment instead (FASTFEED_SHM_DIR). Throws std::invalid_argument for an empty name, a
+// relative path or one ending in '/'. Callers pass only names they made themselves.
 std::string normalize_name(const std::string& name);
 
-// shm_unlink: true if removed, false if it did not exist; other errors throw OsError.
+// shm_unlink (or unlink, for a path): true if removed, false if it did not exist; other
+// errors throw OsError.
 bool unlink_segment(const std::string& name);
 
 }  // namespace fastfeed

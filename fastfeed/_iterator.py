@@ -22,11 +22,12 @@ from torch.utils.data._utils.collate import default_collate
 from torch.utils.data._utils.pin_memory import pin_memory
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_init_fn
 
+from . import config
 from ._ring import layout, segments
 from ._ring.ring import Ring
 from ._workers import messages as m
 from ._workers.loop import worker_main
-from ._workers.pool import Pool, WorkerDied
+from ._workers.pool import STATUS_CHECK_S, Pool, WorkerDied
 
 class _Task:
     """One batch's task, from the moment its index is taken until it is yielded."""
@@ -76,7 +77,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
                 self._shared_seed, self._ring.prefix, parent,
             )  # fmt: skip
 
-        self._pool = Pool(context, self._num_workers, worker_main, args_for)
+        self._pool = Pool(context, self._num_workers, worker_main, args_for, hang_dump_s=config.hang_dump_s())
         self._shutdown = False
         _live.add(self)
         self._reset(loader, first_iter=True)
@@ -185,7 +186,11 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
             raise StopIteration
         try:
             return self._next_batch()
-        except (KeyboardInterrupt, WorkerDied):
+        except KeyboardInterrupt:
+            # Ctrl-C: a worker stuck in user code would never read Stop; do not wait for it.
+            self._shutdown_workers(grace=1.0)
+            raise
+        except WorkerDied:
             self._shutdown_workers()
             raise
 
@@ -282,13 +287,13 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
 
     # -- shutdown -------------------------------------------------------------------
 
-    def _shutdown_workers(self) -> None:
+    def _shutdown_workers(self, grace: float = STATUS_CHECK_S) -> None:
         if self._shutdown:
             return
         self._shutdown = True
         _live.discard(self)
         try:
-            self._pool.stop()
+            self._pool.stop(grace)
         finally:
             self._forget_tasks()
             self._ring.close()

@@ -277,3 +277,38 @@ class LazyRandomSampler(tud.Sampler):
     def __iter__(self):
         for _ in range(self.n):
             yield int(torch.randint(0, self.n, ()).item())
+
+
+class SegfaultDataset(tud.Dataset):
+    """Item 3 kills its worker with SIGSEGV inside native code (a NULL read through ctypes)."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        if i == 3:
+            import ctypes
+
+            ctypes.string_at(0)
+        return torch.tensor([i])
+
+
+class InitError(Exception):
+    pass
+
+
+def raising_worker_init(worker_id):
+    raise InitError(f"worker {worker_id} cannot start")
+
+
+class BigItemDataset(tud.Dataset):
+    """Items of `nbytes` bytes each, so a batch needs more shared memory than a small limit allows."""
+
+    def __init__(self, n=8, nbytes=1 << 20):
+        self.n, self.nbytes = n, nbytes
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.full((self.nbytes,), i % 256, dtype=torch.uint8)

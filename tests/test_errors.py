@@ -196,41 +196,7 @@ def test_shutdown_leaves_no_processes_or_segments(how):
 
 # --- shutdown of a whole process --------------------------------------------------------
 
-_PRELUDE = """
-import os, sys, time
-import _candidate, _datasets as ds, _leaks
-"""
-
-
-def _start_script(body):
-    path = os.pathsep.join(filter(None, [TESTS_DIR, os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, PYTHONPATH=path)
-    return subprocess.Popen(
-        [sys.executable, "-c", _PRELUDE + textwrap.dedent(body)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        # Its own process group, so a group-wide SIGINT reaches it and its workers only.
-        start_new_session=True,
-    )
-
-
-def _finish(proc, timeout):
-    """communicate() with a deadline; a script past it is killed (with its group) and fails the test."""
-    try:
-        return proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"script still running after {timeout} s\nstdout: {out}\nstderr: {err}")
-
-
-def _gone(pid, family):
-    """What is left, after a process exited, of its former descendants and their segments."""
-    makers = {pid} | set(family)
-    prefixes = [f"fastfeed-{p}-" for p in makers] + [f"torch_{p}_" for p in makers]
-    return _leaks.wait_until_gone(family, prefixes)
+from _scripts import gone as _gone, finish as _finish, start_script as _start_script  # noqa: E402
 
 
 @pytest.mark.hang_limit(40)

@@ -81,10 +81,37 @@ def test_name_without_leading_slash_is_normalised(new_name):
     assert _C.Segment.attach(name.lstrip("/")).name == name
 
 
-def test_name_with_inner_slash_is_rejected():
-    """A name with a '/' after the first character raises ValueError."""
+def test_relative_path_and_directory_names_are_rejected():
+    """A relative path, or a name ending in '/', raises ValueError."""
     with pytest.raises(ValueError):
-        _C.Segment.create("/fastfeed-test/x", PAGE)
+        _C.Segment.create("fastfeed-test/x", PAGE)
+    with pytest.raises(ValueError):
+        _C.Segment.create("/fastfeed-test/", PAGE)
+
+
+def test_an_absolute_path_makes_a_file_backed_segment(tmp_path):
+    """An absolute path creates the segment as a 0600 file there (FASTFEED_SHM_DIR), shared by attach."""
+    path = str(tmp_path / f"fastfeed-test-{secrets.token_hex(4)}")
+    seg = _C.Segment.create(path, PAGE)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    memoryview(seg)[:3] = b"abc"
+    assert bytes(memoryview(_C.Segment.attach(path))[:3]) == b"abc"
+    with pytest.raises(FileExistsError):
+        _C.Segment.create(path, PAGE)
+    assert _C.unlink(path) and not _C.unlink(path)
+
+
+def test_a_symlink_is_never_followed(tmp_path):
+    """A planted symlink at a segment's path is refused, so nobody can redirect our writes."""
+    target = tmp_path / "target"
+    target.write_bytes(b"x" * PAGE)
+    target.chmod(0o600)
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    with pytest.raises(OSError):
+        _C.Segment.attach(str(link))
+    with pytest.raises(OSError):
+        _C.Segment.create(str(link), PAGE)
 
 
 @pytest.mark.parametrize("size", [0, -1])

@@ -38,6 +38,9 @@ class Slot:
         return SlotRef(self.slot_id, self.segment.name, self.segment.size)
 
 
+_reclaimed = False
+
+
 class Ring:
     """Slots, their free list, and growth.
 
@@ -47,6 +50,12 @@ class Ring:
     """
 
     def __init__(self, capacity: int):
+        global _reclaimed
+        if not _reclaimed:
+            # Once per process: segments of fastfeed processes that were killed
+            # (and so never cleaned up) would otherwise fill /dev/shm for good.
+            _reclaimed = True
+            segments.reclaim()
         self.prefix = segments.new_prefix()
         self.capacity = capacity
         # A training loop holds the previous batch while it asks for the next,

@@ -1,9 +1,13 @@
 """Naming, creating and reclaiming the shared-memory segments of one ring.
 
-Every segment of a ring is named ``/fastfeed-<owner pid>-<ring token>-<random>``:
+Every segment of a ring is named ``fastfeed-<owner pid>-<ring token>-<random>``:
 the random part makes names unguessable (they are created O_EXCL, mode 0600),
 and the common prefix lets the owner unlink everything the ring or its workers
-ever created with one sweep, even segments whose message was never read.
+ever created with one sweep, even segments whose message was never read. The
+owner pid lets a later process reclaim what a killed one left behind.
+
+Segments live in /dev/shm (POSIX shared memory), or, with ``FASTFEED_SHM_DIR``,
+as files in that directory (another tmpfs when /dev/shm is small).
 """
 
 from __future__ import annotations
@@ -11,12 +15,19 @@ from __future__ import annotations
 import errno
 import glob
 import os
+import re
 import secrets
 
-from .. import _native
+from .. import _native, config
 
-SHM_DIR = "/dev/shm"  # where glibc's shm_open puts POSIX shared memory on Linux
+POSIX_SHM_DIR = "/dev/shm"  # where glibc's shm_open puts POSIX shared memory on Linux
 PAGE = os.sysconf("SC_PAGESIZE")
+_OURS = re.compile(r"fastfeed-(\d+)-[0-9a-f]+-[0-9a-f]+")
+
+
+def _name(directory: str, base: str) -> str:
+    # A POSIX shm name for /dev/shm; an absolute file path anywhere else.
+    return "/" + base if directory == POSIX_SHM_DIR else os.path.join(directory, base)
 
 
 def pages(nbytes: int) -> int:
@@ -25,7 +36,8 @@ def pages(nbytes: int) -> int:
 
 
 def new_prefix() -> str:
-    return f"/fastfeed-{os.getpid()}-{secrets.token_hex(4)}-"
+    """A fresh ring's name prefix (it carries the shm directory in force now)."""
+    return _name(config.shm_dir(), f"fastfeed-{os.getpid()}-{secrets.token_hex(4)}-")
 
 
 def create(prefix: str, size: int):
@@ -37,9 +49,10 @@ def create(prefix: str, size: int):
         if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
             raise OSError(
                 e.errno,
-                f"fastfeed could not allocate {size} bytes of shared memory in {SHM_DIR} "
-                f"for a batch slot ({e.strerror}). Free space there, or give the machine or "
-                "container more (for Docker: docker run --shm-size=8g ...), or lower "
+                f"fastfeed needs {size} bytes of shared memory for a batch slot, and "
+                f"{os.path.dirname(name) if '/' in name[1:] else POSIX_SHM_DIR} could not "
+                f"provide them ({e.strerror}). Give it more (for Docker: docker run "
+                "--shm-size=8g ...), or point FASTFEED_SHM_DIR at a larger tmpfs, or lower "
                 "batch_size, num_workers or prefetch_factor.",
             ) from e
         raise
@@ -53,9 +66,53 @@ def unlink(name: str) -> bool:
     return _native.C.unlink(name)
 
 
+def _path(name: str) -> str:
+    return name if "/" in name[1:] else os.path.join(POSIX_SHM_DIR, name[1:])
+
+
 def sweep(prefix: str) -> int:
     """Unlink every segment still named under ``prefix``; returns how many."""
+    directory = os.path.dirname(_path(prefix))
     count = 0
-    for path in glob.glob(os.path.join(SHM_DIR, glob.escape(prefix.lstrip("/")) + "*")):
-        count += unlink("/" + os.path.basename(path))
+    for path in glob.glob(glob.escape(_path(prefix)) + "*"):
+        count += unlink(_name(directory, os.path.basename(path)))
     return count
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: not ours to judge
+    return True
+
+
+def reclaim(directory: str | None = None) -> list[str]:
+    """Unlink the segments of fastfeed processes that died without cleaning up.
+
+    Only this user's segments whose owner pid no longer exists are touched.
+
+    Returns:
+        The names removed.
+    """
+    directory = os.path.abspath(directory or config.shm_dir())
+    removed = []
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return removed
+    for base in entries:
+        match = _OURS.fullmatch(base)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        try:
+            if os.lstat(os.path.join(directory, base)).st_uid != os.geteuid():
+                continue
+        except OSError:
+            continue
+        name = _name(directory, base)
+        if unlink(name):
+            removed.append(name)
+    return removed

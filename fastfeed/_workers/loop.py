@@ -7,6 +7,7 @@ code sees the same worker environment; only the transport differs.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import random
 import select
@@ -19,6 +20,7 @@ from torch.utils.data._utils import worker as torch_worker
 
 from .._ring import layout, segments
 from . import messages as m
+from .pool import DUMP_SIGNAL
 
 PARENT_CHECK_S = 5.0  # how often an idle worker checks that its parent lives
 
@@ -94,6 +96,8 @@ def worker_main(
     """Entry point of one worker process."""
     try:
         signal_handling._set_worker_signal_handlers()
+        # `kill -USR1 <pid>` (or FASTFEED_HANG_DUMP_S) prints where this worker is stuck.
+        faulthandler.register(DUMP_SIGNAL, all_threads=True)
         torch.multiprocessing._set_thread_name("ff_data_worker")
         # A forked OpenMP pool deadlocks, and workers share the cores anyway.
         torch.set_num_threads(1)

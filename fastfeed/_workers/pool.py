@@ -7,13 +7,16 @@ thread. A worker's death is seen at once through its process sentinel.
 
 from __future__ import annotations
 
+import os
 import select
 import signal
+import sys
 import time
 
 from . import messages as m
 
 STATUS_CHECK_S = 5.0  # torch's MP_STATUS_CHECK_INTERVAL
+DUMP_SIGNAL = signal.SIGUSR1  # workers print their stacks on it (faulthandler)
 _READY = select.POLLIN | select.POLLHUP | select.POLLERR
 
 
@@ -37,7 +40,8 @@ class Worker:
 class Pool:
     """Start ``num_workers`` processes running ``target(worker_id, *args, tasks, results)``."""
 
-    def __init__(self, context, num_workers, target, args_for):
+    def __init__(self, context, num_workers, target, args_for, hang_dump_s: float = 0):
+        self.hang_dump_s = hang_dump_s  # 0: never dump stacks by itself
         self.workers: list[Worker] = []
         self._any = select.poll()
         self._fd_owner: dict[int, Worker] = {}
@@ -95,9 +99,18 @@ class Pool:
         return self._wait(self._any, self._fd_owner.__getitem__, timeout)
 
     def _wait(self, poller, owner, timeout):
-        deadline = None if not timeout else time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = None if not timeout else start + timeout
+        dump_at = None if not self.hang_dump_s else start + self.hang_dump_s
         while True:
-            wait = STATUS_CHECK_S if deadline is None else max(0.0, deadline - time.monotonic())
+            now = time.monotonic()
+            wait = STATUS_CHECK_S if deadline is None else max(0.0, deadline - now)
+            if dump_at is not None:
+                if now >= dump_at:
+                    self.dump_stacks(now - start)
+                    dump_at = None
+                else:
+                    wait = min(wait, dump_at - now)
             events = poller.poll(wait * 1000)
             for fd, _ in events:
                 w = owner(fd)
@@ -107,6 +120,21 @@ class Pool:
                 raise self.death(owner(events[0][0]))
             if deadline is not None and time.monotonic() >= deadline:
                 raise RuntimeError(f"DataLoader timed out after {timeout} seconds")
+
+    def dump_stacks(self, waited: float) -> None:
+        """Have every worker print its Python stack to stderr (a hung loader, diagnosed)."""
+        print(
+            f"fastfeed: no batch for {waited:.0f} s; the stacks of the DataLoader workers follow "
+            f"(pids {', '.join(str(p) for p in self.pids)}). Send SIGUSR1 to a worker for its stack "
+            "at any time.",
+            file=sys.stderr,
+            flush=True,
+        )
+        for w in self.workers:
+            try:
+                os.kill(w.process.pid, DUMP_SIGNAL)
+            except ProcessLookupError:
+                pass
 
     def retire(self, wid: int) -> None:
         """Stop a worker that has nothing more to do (its IterableDataset ended)."""
@@ -138,18 +166,18 @@ class Pool:
             how = "closed its pipe unexpectedly"
         return WorkerDied(f"DataLoader worker {w.worker_id} (pid {pid}) {how}.")
 
-    def stop(self) -> None:
-        """Ask every worker to exit, then make sure each one has."""
+    def stop(self, grace: float = STATUS_CHECK_S) -> None:
+        """Ask every worker to exit; those still running after ``grace`` seconds are killed."""
         for w in self.workers:
             try:
                 w.tasks.send_bytes(m.dumps(m.Stop()))
             except OSError:
                 pass
-        deadline = time.monotonic() + STATUS_CHECK_S
+        deadline = time.monotonic() + grace
         for w in self.workers:
             w.process.join(timeout=max(0.0, deadline - time.monotonic()))
         for w in self.workers:
-            if w.process.is_alive():
+            if w.process.is_alive():  # stuck in user code: it will never read Stop
                 w.process.kill()
                 w.process.join(timeout=STATUS_CHECK_S)
             w.tasks.close()

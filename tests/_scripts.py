@@ -1,0 +1,52 @@
+"""Running a loader in a script of its own: for signals, exits and deaths of the whole process."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import _leaks
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+_PRELUDE = """
+import os, sys, time
+import _candidate, _datasets as ds, _leaks
+"""
+
+
+def start_script(body, **env_vars):
+    """Run ``body`` (after imports of the test helpers) in a new Python, in its own session."""
+    path = os.pathsep.join(filter(None, [TESTS_DIR, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path, **env_vars)
+    return subprocess.Popen(
+        [sys.executable, "-c", _PRELUDE + textwrap.dedent(body)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        # Its own process group, so a group-wide SIGINT reaches it and its workers only.
+        start_new_session=True,
+    )
+
+
+def finish(proc, timeout):
+    """communicate() with a deadline; a script past it is killed (with its group) and fails the test."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"script still running after {timeout} s\nstdout: {out}\nstderr: {err}")
+
+
+def gone(pid, family):
+    """What is left, after a process exited, of its former descendants and their segments."""
+    makers = {pid} | set(family)
+    prefixes = [f"fastfeed-{p}-" for p in makers] + [f"torch_{p}_" for p in makers]
+    return _leaks.wait_until_gone(family, prefixes)
+
+

@@ -1,0 +1,180 @@
+"""The fault matrix: each failure gives a clear message, never hangs, and leaks nothing."""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import signal
+import time
+
+import pytest
+
+import _datasets as ds
+import _leaks
+from _candidate import DataLoader
+from _scripts import finish, gone, start_script
+
+pytestmark = pytest.mark.fastfeed_only
+
+
+@pytest.mark.hang_limit(30)
+def test_segfault_in_native_code_names_worker_pid_and_signal():
+    """A worker dying of SIGSEGV inside native code gives a RuntimeError naming its id, pid and SIGSEGV within 5 s."""
+    it = iter(DataLoader(ds.SegfaultDataset(), batch_size=1, num_workers=2))
+    pids = [w.process.pid for w in it._pool.workers]
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        for _ in it:
+            pass
+    message = str(info.value)
+    assert time.monotonic() - start < 5
+    assert "SIGSEGV" in message and "worker 1" in message and str(pids[1]) in message, message
+    del it, info
+    gc.collect()
+
+
+def test_worker_init_fn_error_is_reraised_with_its_type_and_traceback():
+    """An exception in worker_init_fn comes back with its own type and the worker's traceback."""
+    loader = DataLoader(ds.PlainDataset(8), batch_size=2, num_workers=2, worker_init_fn=ds.raising_worker_init)
+    with pytest.raises(ds.InitError) as info:
+        next(iter(loader))
+    text = str(info.value)
+    assert "in DataLoader worker process 0" in text and "raising_worker_init" in text, text
+    del info, loader
+    gc.collect()
+
+
+@pytest.mark.hang_limit(40)
+def test_a_hung_loader_dumps_every_worker_stack():
+    """With FASTFEED_HANG_DUMP_S, a loader stuck in __getitem__ prints each worker's stack, naming the stuck function."""
+    proc = start_script(
+        """
+        it = iter(_candidate.DataLoader(ds.SlowDataset(8, delay=60), batch_size=1, num_workers=2))
+        next(it)
+        """,
+        FASTFEED_HANG_DUMP_S="1",
+    )
+    with proc:
+        deadline = time.monotonic() + 20
+        err = ""
+        while time.monotonic() < deadline and err.count("in __getitem__") < 2:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            err += line
+        family = _leaks.descendants(proc.pid)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    assert "fastfeed: no batch for 1 s" in err, err
+    assert err.count("in __getitem__") >= 2, err  # one stack per worker
+    assert _leaks.wait_until_gone(family, []) == []
+
+
+@pytest.mark.hang_limit(40)
+def test_ctrl_c_ends_workers_stuck_in_user_code_within_2_s():
+    """SIGINT to the main process while both workers sleep in __getitem__: KeyboardInterrupt, and every worker gone within 2 s."""
+    proc = start_script(
+        """
+        it = iter(_candidate.DataLoader(ds.SlowDataset(8, delay=60), batch_size=1, num_workers=2))
+        print("READY", flush=True)
+        next(it)
+        """
+    )
+    with proc:
+        assert proc.stdout.readline().strip() == "READY"
+        time.sleep(0.5)
+        family = _leaks.descendants(proc.pid)
+        assert len(family) == 2
+        os.kill(proc.pid, signal.SIGINT)
+        start = time.monotonic()
+        _, err = finish(proc, timeout=15)
+        seconds = time.monotonic() - start
+    assert "KeyboardInterrupt" in err, err
+    assert seconds < 2.5, f"{seconds:.1f} s"
+    assert gone(proc.pid, family) == []
+
+
+@pytest.mark.hang_limit(40)
+def test_too_little_shared_memory_is_an_error_that_names_the_bytes_and_the_fix():
+    """When the shm directory cannot hold a batch, the first batch raises an OSError naming the bytes needed and the fixes, never SIGBUS."""
+    proc = start_script(
+        """
+        import resource
+        # Files over 1 MB are refused: /dev/shm made small without needing a mount.
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+        data = _candidate.DataLoader(ds.BigItemDataset(8, 1 << 20), batch_size=4, num_workers=2)
+        try:
+            next(iter(data))
+        except OSError as e:
+            print("ERROR", e)
+        """
+    )
+    out, err = finish(proc, timeout=30)
+    assert proc.returncode == 0, err
+    assert "ERROR" in out, out + err
+    assert re.search(r"needs \d{7,} bytes", out) and "--shm-size" in out and "FASTFEED_SHM_DIR" in out, out
+
+
+def test_fastfeed_shm_dir_moves_the_segments(tmp_path, monkeypatch):
+    """With FASTFEED_SHM_DIR set, batches come through segments in that directory, and nothing is left there."""
+    monkeypatch.setenv("FASTFEED_SHM_DIR", str(tmp_path))
+    seen = set()
+    it = iter(DataLoader(ds.BigItemDataset(12, 64 << 10), batch_size=2, num_workers=2))
+    for k, batch in enumerate(it):
+        assert int(batch[0, 0]) == (2 * k) % 256 and int(batch[1, -1]) == (2 * k + 1) % 256
+        seen.update(os.listdir(tmp_path))
+    del it, batch
+    gc.collect()
+    assert any(name.startswith(f"fastfeed-{os.getpid()}-") for name in seen)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.hang_limit(120)
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_thousand_restarts_keep_fds_memory_and_segments_flat(persistent):
+    """1,000 iterator restarts, with persistent workers on or off, leave fd count, RSS and segment count flat."""
+    loader = DataLoader(ds.PlainDataset(4), batch_size=2, num_workers=2, persistent_workers=persistent)
+
+    def state():
+        gc.collect()
+        rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGESIZE")
+        return len(os.listdir("/proc/self/fd")), rss, len(_leaks.shm_segments(("fastfeed-",)))
+
+    for _ in range(20):  # warm up allocator pools and caches
+        list(loader)
+    fds0, rss0, segs0 = state()
+    for _ in range(1000):
+        for batch in loader:
+            pass
+    fds1, rss1, segs1 = state()
+    del loader, batch
+    gc.collect()
+    assert fds1 <= fds0, (fds0, fds1)
+    # The ring may settle at any size up to its window (2 workers x prefetch 2), never beyond.
+    assert segs1 <= 4, (segs0, segs1)
+    assert rss1 - rss0 < 16 << 20, f"RSS grew by {(rss1 - rss0) >> 20} MB"
+
+
+@pytest.mark.hang_limit(60)
+def test_workers_of_a_killed_parent_exit_and_its_segments_are_reclaimed():
+    """After SIGKILL of the main process its workers exit by themselves, and `fastfeed cleanup` removes its segments."""
+    proc = start_script(
+        """
+        it = iter(_candidate.DataLoader(ds.PlainDataset(64), batch_size=2, num_workers=2))
+        kept = [next(it), next(it)]
+        print(*_leaks.descendants(os.getpid()), flush=True)
+        time.sleep(60)
+        """
+    )
+    with proc:
+        family = {int(p) for p in proc.stdout.readline().split()}
+        assert len(family) == 2
+        assert _leaks.shm_segments((f"fastfeed-{proc.pid}-",))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    assert _leaks.wait_until_gone(family, [], timeout=8) == []  # workers notice within their 5 s check
+    from fastfeed import cli
+
+    assert cli.main(["cleanup"]) == 0
+    assert not _leaks.shm_segments((f"fastfeed-{proc.pid}-",))
