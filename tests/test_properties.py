@@ -384,8 +384,9 @@ def test_loader_default_collate_matches_torch(data):
     _compare_loaders(samples, batch_size, None)
 
 
-# Layouts a copy into a contiguous slot reproduces; see the xfail test below for the others.
-_KEPT_BY_COPY = ("contiguous", "offset", "conj")
+# Layouts the slot reproduces: permuted dense tensors keep their strides; sliced and
+# expanded ones arrive contiguous (their storage is not shipped).
+_KEPT_BY_COPY = ("contiguous", "offset", "conj", "transposed")
 
 
 @pytest.mark.hang_limit(120)
@@ -398,13 +399,9 @@ def test_loader_identity_collate_matches_torch(data):
     _compare_loaders(samples, batch_size, identity_collate)
 
 
-@pytest.mark.xfail(
-    not _candidate.AGAINST_TORCH,  # torch itself passes: its batches keep every stride
-    strict=True,
-    reason="layout.plan/fill/view copy a custom collate's tensors into contiguous slot memory, "
-    "dropping their strides (transposed, channels_last, sliced, expanded); torch keeps them",
-)
 def test_identity_collate_keeps_tensor_strides():
-    """A non-contiguous tensor from a custom collate_fn keeps torch's strides (e.g. a transpose)."""
+    """A non-contiguous tensor from a custom collate_fn keeps torch's strides (a transpose, channels_last)."""
     samples = [{"t": torch.arange(6.0).view(2, 3).t()}, {"t": torch.arange(6.0, 12.0).view(2, 3).t()}]
     _compare_loaders(samples, 2, identity_collate)
+    images = [{"img": torch.rand(2, 3, 4, 5).contiguous(memory_format=torch.channels_last)} for _ in range(2)]
+    _compare_loaders(images, 2, identity_collate)

@@ -101,6 +101,20 @@ def _nbytes(shape, dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
+def _dense_order(t: torch.Tensor) -> tuple | None:
+    """The dimension order in which a dense, non-contiguous tensor is contiguous, else None.
+
+    A transposed or channels_last tensor keeps its strides through the slot at
+    no extra cost. A sliced or expanded one is copied contiguous: matching its
+    strides would mean shipping the whole storage it views.
+    """
+    if t.is_contiguous():
+        return None
+    strides = t.stride()
+    order = tuple(sorted(range(t.dim()), key=lambda d: -strides[d]))
+    return order if t.permute(order).is_contiguous() else None
+
+
 def plan(batch):
     """Pickle the structure and place every leaf.
 
@@ -114,11 +128,11 @@ def plan(batch):
     offset = 0
     for obj in objs:
         if type(obj) is Stack:
-            shape, dtype, grad = obj.shape, obj.dtype, False
+            shape, dtype, grad, order = obj.shape, obj.dtype, False, None
         else:
-            shape, dtype, grad = tuple(obj.shape), obj.dtype, obj.requires_grad
+            shape, dtype, grad, order = tuple(obj.shape), obj.dtype, obj.requires_grad, _dense_order(obj)
         offset = -(-offset // ALIGN) * ALIGN
-        layout.append(Leaf(offset, dtype, shape, grad))
+        layout.append(Leaf(offset, dtype, shape, grad, order))
         offset += _nbytes(shape, dtype)
     return buf.getvalue(), objs, layout, offset
 
@@ -126,7 +140,11 @@ def plan(batch):
 def view(base: torch.Tensor, leaf: Leaf) -> torch.Tensor:
     """The tensor ``leaf`` describes, as a view of the uint8 slot tensor ``base``."""
     n = _nbytes(leaf.shape, leaf.dtype)
-    return base[leaf.offset : leaf.offset + n].view(leaf.dtype).view(leaf.shape)
+    flat = base[leaf.offset : leaf.offset + n].view(leaf.dtype)
+    if leaf.perm is None:
+        return flat.view(leaf.shape)
+    inverse = sorted(range(len(leaf.perm)), key=leaf.perm.__getitem__)
+    return flat.view([leaf.shape[d] for d in leaf.perm]).permute(inverse)
 
 
 def _gatherable(stack: Stack) -> bool:
@@ -163,7 +181,7 @@ def fill(base: torch.Tensor, objs, layout) -> None:
 def unpack(payload: bytes, layout, base: torch.Tensor | None):
     """Rebuild the batch: tensor leaves become views of ``base``."""
     if base is None:  # a batch without tensor bytes
-        views = [torch.empty(leaf.shape, dtype=leaf.dtype) for leaf in layout]
+        views = [view(torch.empty(0, dtype=torch.uint8), leaf) for leaf in layout]
     else:
         views = [view(base, leaf) for leaf in layout]
     for v, leaf in zip(views, layout):

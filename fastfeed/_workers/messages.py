@@ -47,6 +47,9 @@ class Leaf(NamedTuple):
     dtype: Any  # torch.dtype
     shape: tuple
     requires_grad: bool
+    # Dimension order of a dense but permuted tensor (transposed, channels_last):
+    # its bytes lie in that order, so its strides come back as they were.
+    perm: tuple | None = None
 
 
 class Done(NamedTuple):
