@@ -1,10 +1,11 @@
 """Naming, creating and reclaiming the shared-memory segments of one ring.
 
-Every segment of a ring is named ``fastfeed-<owner pid>-<ring token>-<random>``:
+Every segment of a ring is named ``fastfeed-<owner pid>-<pid namespace>-<ring token>-<random>``:
 the random part makes names unguessable (they are created O_EXCL, mode 0600),
 and the common prefix lets the owner unlink everything the ring or its workers
 ever created with one sweep, even segments whose message was never read. The
-owner pid lets a later process reclaim what a killed one left behind.
+owner pid lets a later process reclaim what a killed one left behind; the pid
+namespace keeps it from judging a pid of another container sharing /dev/shm.
 
 Segments live in /dev/shm (POSIX shared memory), or, with ``FASTFEED_SHM_DIR``,
 as files in that directory (another tmpfs when /dev/shm is small).
@@ -22,7 +23,17 @@ from .. import _native, config
 
 POSIX_SHM_DIR = "/dev/shm"  # where glibc's shm_open puts POSIX shared memory on Linux
 PAGE = os.sysconf("SC_PAGESIZE")
-_OURS = re.compile(r"fastfeed-(\d+)-[0-9a-f]+-[0-9a-f]+")
+_OURS = re.compile(r"fastfeed-(\d+)-([0-9a-f]+)-[0-9a-f]+-[0-9a-f]+")
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+_PIDNS = f"{_pid_namespace():x}"
 
 
 def _name(directory: str, base: str) -> str:
@@ -37,7 +48,7 @@ def pages(nbytes: int) -> int:
 
 def new_prefix() -> str:
     """A fresh ring's name prefix (it carries the shm directory in force now)."""
-    return _name(config.shm_dir(), f"fastfeed-{os.getpid()}-{secrets.token_hex(4)}-")
+    return _name(config.shm_dir(), f"fastfeed-{os.getpid()}-{_PIDNS}-{secrets.token_hex(4)}-")
 
 
 def create(prefix: str, size: int):
@@ -92,7 +103,8 @@ def _alive(pid: int) -> bool:
 def reclaim(directory: str | None = None) -> list[str]:
     """Unlink the segments of fastfeed processes that died without cleaning up.
 
-    Only this user's segments whose owner pid no longer exists are touched.
+    Only this user's segments, made in this pid namespace, whose owner pid no
+    longer exists are touched.
 
     Returns:
         The names removed.
@@ -105,7 +117,7 @@ def reclaim(directory: str | None = None) -> list[str]:
         return removed
     for base in entries:
         match = _OURS.fullmatch(base)
-        if match is None or _alive(int(match.group(1))):
+        if match is None or match.group(2) != _PIDNS or _alive(int(match.group(1))):
             continue
         try:
             if os.lstat(os.path.join(directory, base)).st_uid != os.geteuid():
