@@ -312,3 +312,13 @@ class BigItemDataset(tud.Dataset):
 
     def __getitem__(self, i):
         return torch.full((self.nbytes,), i % 256, dtype=torch.uint8)
+
+
+class RaggedDataset(tud.Dataset):
+    """Odd items are one element longer, so every default-collated batch fails to stack."""
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        return torch.zeros(5000 + i % 2)

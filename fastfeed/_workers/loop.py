@@ -49,7 +49,12 @@ class SlotWriter:
                 seg = segments.create(self.prefix, segments.pages(nbytes))
                 overflow = seg.name
                 base = torch.frombuffer(seg, dtype=torch.uint8)
-            layout.fill(base, objs, leaves)
+            try:
+                layout.fill(base, objs, leaves)
+            except BaseException:
+                if overflow:  # nobody will ever be told its name
+                    segments.unlink(overflow)
+                raise
         return m.Done(task.idx, worker_id, nbytes, leaves, payload, overflow)
 
 
