@@ -119,6 +119,27 @@ def test_spawn_matches(parity, kind):
         parity(lambda: (ds.ShardedIterable(11), dict(batch_size=3, **workers(2, "spawn"))))
 
 
+@pytest.mark.hang_limit(60)
+def test_forkserver_matches():
+    """With the forkserver start method the batches match torch's (in a script: the server outlives any test)."""
+    from _scripts import finish, start_script
+
+    proc = start_script(
+        """
+        import torch, torch.utils.data as tud
+        from _compare import assert_same
+        def run(cls):
+            torch.manual_seed(3)
+            return list(cls(ds.AugmentedDataset(12), batch_size=3, shuffle=True, num_workers=2,
+                            multiprocessing_context="forkserver"))
+        assert_same(run(_candidate.DataLoader), run(tud.DataLoader))
+        print("SAME")
+        """
+    )
+    out, err = finish(proc, timeout=50)
+    assert proc.returncode == 0 and "SAME" in out, err
+
+
 def test_context_object_matches(parity):
     """A multiprocessing context object works like its start-method name."""
     context = multiprocessing.get_context("fork")
