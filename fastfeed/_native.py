@@ -1,7 +1,7 @@
 """The compiled core, loaded once, with a message that says how to fix a bad build."""
 
 try:
-    from . import _C as C
+    from . import _C as C  # noqa: F401  (re-exported: fastfeed._native.C)
 except ImportError as e:  # pragma: no cover - only a broken install gets here
     raise ImportError(
         "fastfeed's C++ extension (fastfeed._C) is missing or does not load: "

@@ -8,9 +8,6 @@ import collections
 import gc
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import time
 import warnings
 

@@ -30,4 +30,4 @@ def test_native_unit_tests_pass_under_sanitizers():
         pytest.fail(f"csrc/tests/run.sh still running after 300 s; output so far:\n{out}", pytrace=False)
     assert proc.returncode == 0, f"csrc/tests/run.sh exited {proc.returncode}:\n{proc.stdout}"
     if "TSan was SKIPPED" in proc.stdout:
-        warnings.warn("TSan could not run on this kernel: data races in csrc/ were not checked")
+        warnings.warn("TSan could not run on this kernel: data races in csrc/ were not checked", stacklevel=2)
