@@ -312,3 +312,34 @@ class BigItemDataset(tud.Dataset):
 
     def __getitem__(self, i):
         return torch.full((self.nbytes,), i % 256, dtype=torch.uint8)
+
+
+class StatefulIterable(tud.IterableDataset):
+    """ShardedIterable that saves and restores its position with state_dict()/load_state_dict().
+
+    Each sample says how many samples this iterator had read before it (`read`), so a
+    resumed worker that replayed its shard instead of loading its state shows.
+    """
+
+    def __init__(self, n=23, width=3):
+        self.n, self.width = n, width
+        self.pos = None  # the next index this replica yields
+        self.read = 0
+        self._start = None
+
+    def state_dict(self):
+        return {"pos": self.pos, "read": self.read}
+
+    def load_state_dict(self, state):
+        self._start = state
+
+    def __iter__(self):
+        info = tud.get_worker_info()
+        first, step = (0, 1) if info is None else (info.id, info.num_workers)
+        start, self._start = self._start, None
+        self.pos, self.read = (first, 0) if start is None else (start["pos"], start["read"])
+        while self.pos < self.n:
+            index = self.pos
+            self.pos += step
+            self.read += 1
+            yield dict(augmented_sample(index, self.width, False), read=self.read)
