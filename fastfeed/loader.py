@@ -60,7 +60,8 @@ class DataLoader(torch.utils.data.DataLoader):
         loader built with the same arguments makes its next ``iter()`` yield batches
         k+1.. of that epoch, bit-identical to an uninterrupted run, and later epochs as
         they would have been. Taken between epochs (before the first ``iter()``, or
-        after an epoch's iterator ended), the next ``iter()`` starts the next epoch.
+        after an epoch's iterator ended or was dropped), the next ``iter()`` starts the next
+        epoch.
 
         The state is plain Python and tensors (``torch.save`` / ``torch.load`` with
         ``weights_only=True`` work)::
