@@ -343,3 +343,14 @@ class StatefulIterable(tud.IterableDataset):
             self.pos += step
             self.read += 1
             yield dict(augmented_sample(index, self.width, False), read=self.read)
+
+
+class UnevenIterable(ShardedIterable):
+    """ShardedIterable whose worker 1 (of 2 or more) stops after 3 samples, long before the others."""
+
+    def __iter__(self):
+        info = tud.get_worker_info()
+        for count, sample in enumerate(super().__iter__()):
+            if info is not None and info.id == 1 and count == 3:
+                return
+            yield sample

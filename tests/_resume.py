@@ -44,6 +44,8 @@ def _config(name):
         sampler = kwargs["sampler"] = tud.DistributedSampler(dataset, num_replicas=2, rank=0, shuffle=True)
     elif kind == "iterable":
         dataset = ds.ShardedIterable(23)
+    elif kind == "uneven":
+        dataset = ds.UnevenIterable(23)
     elif kind == "stateful":
         dataset = ds.StatefulIterable(23)
     else:

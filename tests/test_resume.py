@@ -102,6 +102,18 @@ def test_iterable_workers_near_the_end(tmp_path):
     resume_in_new_process("iterable:nw=2", 1, 5, tmp_path)
 
 
+def test_iterable_worker_ended_before_the_state(tmp_path):
+    """A worker whose replica ended (and exited) before the state stays out of the resumed epoch."""
+    state = resume_in_new_process("uneven:nw=2,bs=2", 1, 6, tmp_path)
+    assert state["workers"][1] is None
+
+
+def test_persistent_iterable_worker_ended_before_the_state(tmp_path):
+    """Persistent workers: a replica that ended before the state is idle, then runs the next epochs."""
+    state = resume_in_new_process("uneven:nw=2,bs=2,persistent=1", 1, 6, tmp_path)
+    assert state["workers"][1]["state"]["ended"] is True
+
+
 def test_persistent_workers_mid_epoch(tmp_path):
     """Persistent workers: resumed mid-epoch 1, epoch 2 continues each worker's stream as torch's would."""
     resume_in_new_process("map:shuffle=1,nw=2,persistent=1", 1, 2, tmp_path)
