@@ -17,12 +17,12 @@ import os
 import weakref
 
 import torch
-from torch.utils.data import IterDataPipe, MapDataPipe
+from torch.utils.data import IterDataPipe, MapDataPipe, _DatasetKind
 from torch.utils.data._utils.collate import default_collate
 from torch.utils.data._utils.pin_memory import pin_memory
-from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_init_fn
+from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_init_fn, _SingleProcessDataLoaderIter
 
-from . import config
+from . import _state, config
 from ._ring import layout, segments
 from ._ring.ring import Ring
 from ._workers import messages as m
@@ -52,10 +52,72 @@ def _shutdown_all() -> None:
         it._shutdown_workers()
 
 
-class RingDataLoaderIter(_BaseDataLoaderIter):
-    def __init__(self, loader) -> None:
-        self._shutdown = True  # until workers exist, there is nothing to shut down
+class SingleProcessIter(_SingleProcessDataLoaderIter):
+    """torch's single-process iterator, plus what ``DataLoader.state_dict()`` needs.
+
+    Its "worker" is the main process: the RNG states are the global ones, saved by the
+    loader; this iterator adds the sampler's position and a stateful dataset's state.
+    """
+
+    def __init__(self, loader, resume: dict | None = None) -> None:
+        self._generator = loader.generator
+        self._sampler_rng = None  # sampler RNGs just before this epoch's first index
+        self._finished = False
+        stateful = loader._dataset_kind == _DatasetKind.Iterable and _state.is_stateful_dataset(loader.dataset)
+        self._stateful = stateful
+        if resume is None:
+            super().__init__(loader)
+            return
+        keep = _state.main_rngs(self._generator)  # resuming draws nothing the user would see
+        if stateful and resume["dataset"] is not None:
+            loader.dataset.load_state_dict(resume["dataset"])  # before iter(dataset)
         super().__init__(loader)
+        if resume["sampler_rng"] is not None:
+            self._sampler_rng = resume["sampler_rng"]
+            _state.restore_sampler_rngs(self._sampler_rng, self._generator)
+            replay = self._dataset_kind == _DatasetKind.Iterable and not stateful
+            for _ in range(resume["yielded"]):
+                index = next(self._sampler_iter)
+                if replay:  # a plain iterable can only be moved forward by reading it
+                    self._dataset_fetcher.fetch(index)
+        self._num_yielded = resume["yielded"]
+        _state.restore_main_rngs(keep, self._generator)
+
+    def _next_index(self):
+        if self._sampler_rng is None:
+            self._sampler_rng = _state.sampler_rngs(self._generator)
+        return next(self._sampler_iter)
+
+    def _next_data(self):
+        try:
+            return super()._next_data()
+        except StopIteration:
+            self._finished = True
+            raise
+
+    def state_dict(self) -> dict:
+        return {
+            "mid_epoch": not self._finished,
+            "yielded": self._num_yielded,
+            "sampler_rng": self._sampler_rng,
+            "base_seed": self._base_seed,
+            "dataset": _state.dataset_state(self._dataset) if self._stateful else None,
+            "next_worker": 0,
+            "workers": None,
+        }
+
+
+class RingDataLoaderIter(_BaseDataLoaderIter):
+    def __init__(self, loader, resume: dict | None = None) -> None:
+        self._shutdown = True  # until workers exist, there is nothing to shut down
+        self._generator = loader.generator
+        self._resume = resume  # a DataLoader.state_dict() to start from, or None
+        self._finished = False
+        keep = _state.sampler_rngs(self._generator) if resume else None
+        super().__init__(loader)
+        if resume:  # the original's seed, and no draw the user would see
+            _state.restore_sampler_rngs(keep, self._generator)
+            self._base_seed = resume["base_seed"]
         self._prefetch_factor = loader.prefetch_factor
         self._in_order = getattr(loader, "in_order", True)  # torch < 2.6 has no in_order
         context = loader.multiprocessing_context or torch.multiprocessing
@@ -69,18 +131,28 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         # of the next task until the user lets go of the previous batch.
         self._ring = Ring(self._num_workers * self._prefetch_factor)
         parent = os.getpid()
+        history = self._num_workers * self._prefetch_factor + 2  # states of the tasks in flight, and one more
 
         def args_for(wid):
             return (
                 wid, self._num_workers, self._dataset_kind, self._dataset, self._auto_collation,
                 self._collate_fn, use_slot_collate, self._drop_last, self._base_seed, init_fn,
-                self._shared_seed, self._ring.prefix, parent,
+                self._shared_seed, self._ring.prefix, parent, history, self._worker_resume(wid),
             )  # fmt: skip
 
         self._pool = Pool(context, self._num_workers, worker_main, args_for, hang_dump_s=config.hang_dump_s())
         self._shutdown = False
         _live.add(self)
         self._reset(loader, first_iter=True)
+
+    def _worker_resume(self, wid: int):
+        saved = self._resume and self._resume["workers"] and self._resume["workers"][wid]
+        if not saved:
+            return None
+        replay_index = None
+        if self._dataset_kind == _DatasetKind.Iterable:
+            replay_index = next(iter(self._index_sampler))  # what a task of an iterable asks for
+        return dict(saved, mid_epoch=self._resume["mid_epoch"], replay_index=replay_index)
 
     # -- epoch bookkeeping (torch's, plus a slot per task) -----------------------
 
@@ -103,8 +175,78 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
+        self._last_task: list[int | None] = [None] * self._num_workers  # the last task of each seen
+        self._finished = False
+        resume, self._resume = (self._resume if first_iter else None), None
+        if resume and resume["mid_epoch"]:
+            self._fast_forward(resume)
+            return
+        self._sampler_rng = _state.sampler_rngs(self._generator)
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
+
+    def _fast_forward(self, resume: dict) -> None:
+        """Continue an epoch after the batches the user had received, without fetching them."""
+        keep = _state.sampler_rngs(self._generator)
+        self._sampler_rng = resume["sampler_rng"]
+        _state.restore_sampler_rngs(self._sampler_rng, self._generator)  # the same order...
+        for _ in range(resume["yielded"]):  # ...of which the seen batches are skipped
+            try:
+                self._next_index()
+            except StopIteration:
+                break
+        self._num_yielded = resume["yielded"]
+        for wid, saved in enumerate(resume["workers"]):
+            self._workers_status[wid] = bool(saved) and not saved["state"]["ended"]
+            if saved:
+                self._last_task[wid] = -1  # the worker holds its restored state as "task -1"
+        for _ in range(resume["next_worker"]):
+            next(self._worker_queue_idx_cycle)
+        for _ in range(self._prefetch_factor * self._num_workers):
+            self._try_put_index()
+        _state.restore_sampler_rngs(keep, self._generator)
+
+    def state_dict(self) -> dict:
+        """This epoch's position and each worker's state (see ``DataLoader.state_dict``)."""
+        if not self._in_order:
+            raise ValueError("DataLoader.state_dict() needs in_order=True: out of order, batches depend on timing")
+        mid_epoch = not self._finished
+        workers = None
+        if mid_epoch or self._persistent_workers:
+            if self._shutdown:
+                raise RuntimeError("DataLoader.state_dict(): this iterator's workers were shut down")
+            workers = self._worker_states()
+        waiting = [i for i, task in self._task_info.items() if self._workers_status[task.wid]]
+        return {
+            "mid_epoch": mid_epoch,
+            "yielded": self._num_yielded,
+            "sampler_rng": self._sampler_rng,
+            "base_seed": self._base_seed,
+            "dataset": None,
+            "next_worker": self._task_info[min(waiting)].wid if waiting and mid_epoch else 0,
+            "workers": workers,
+        }
+
+    def _worker_states(self) -> list:
+        """Ask each live worker for its state after the last of its tasks the user saw.
+
+        A worker answers after the tasks it was sent before the request; their answers
+        are kept for when their turn comes.
+        """
+        asked = [
+            wid for wid in range(self._num_workers) if self._workers_status[wid] or self._persistent_workers
+        ]
+        for wid in asked:
+            self._pool.send(wid, m.StateRequest(self._last_task[wid]))
+        states = [None] * self._num_workers
+        for wid in asked:
+            while True:
+                msg = self._pool.recv(wid, self._timeout)
+                if type(msg) is m.StateReply:
+                    states[wid] = {"state": msg.state, "epoch_start": msg.epoch_start}
+                    break
+                self._receive(msg)
+        return states
 
     def _drain_until_ack(self, wid) -> None:
         # Results of last epoch's unfinished tasks arrive before the ack; drop them.
@@ -186,6 +328,9 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
             raise StopIteration
         try:
             return self._next_batch()
+        except StopIteration:
+            self._finished = True
+            raise
         except KeyboardInterrupt:
             # Ctrl-C: a worker stuck in user code would never read Stop; do not wait for it.
             self._shutdown_workers(grace=1.0)
@@ -223,15 +368,8 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
                 self._send(self._rcvd_idx, task, None)
 
             msg = self._get_data(task.wid)
-            self._tasks_outstanding -= 1
-            got = self._task_info[msg.idx]
-            got.msg = msg
-            if type(msg) is m.IterEnd:
-                self._workers_status[msg.worker_id] = False
-                if not self._persistent_workers:
-                    self._pool.retire(msg.worker_id)
-                self._discard(self._task_info.pop(msg.idx))
-                self._try_put_index()
+            got = self._receive(msg)
+            if got is None:
                 continue
             if msg.idx != self._rcvd_idx:
                 if not self._in_order:
@@ -241,6 +379,21 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
             del self._task_info[msg.idx]
             self._rcvd_idx += 1
             return self._process(got)
+
+    def _receive(self, msg):
+        """Record a worker's answer; an IterEnd takes effect at once. Returns the task, or None."""
+        self._tasks_outstanding -= 1
+        got = self._task_info[msg.idx]
+        got.msg = msg
+        if type(msg) is m.IterEnd:
+            self._workers_status[msg.worker_id] = False
+            self._last_task[msg.worker_id] = msg.idx
+            if not self._persistent_workers:
+                self._pool.retire(msg.worker_id)
+            self._discard(self._task_info.pop(msg.idx))
+            self._try_put_index()
+            return None
+        return got
 
     def _get_data(self, wid):
         if self._in_order:
@@ -252,6 +405,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
     def _process(self, task: _Task):
         msg = task.msg
         self._workers_num_tasks[task.wid] -= 1
+        self._last_task[task.wid] = msg.idx
         if type(msg) is m.Done:
             self._ring.note_batch(msg.nbytes)  # first, so the next task can get a slot
         self._try_put_index()

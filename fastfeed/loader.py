@@ -2,7 +2,8 @@
 
 The class is a subclass of ``torch.utils.data.DataLoader`` and takes the same
 arguments, validated by torch itself, so ``isinstance`` checks and every
-torch behaviour carry over. With ``num_workers=0`` it *is* torch's loader.
+torch behaviour carry over. With ``num_workers=0`` it runs torch's own
+single-process iterator (subclassed only to track its position for ``state_dict``).
 With workers, batches travel sampler -> workers -> ring slot -> user (see
 ``_iterator.py``): each batch is copied once, by the worker, into shared memory
 that was allocated and touched once, and the user receives views of it.
@@ -10,9 +11,14 @@ that was allocated and touched once, and the user receives views of it.
 
 from __future__ import annotations
 
+import weakref
+
 import torch.utils.data
 
-from ._iterator import RingDataLoaderIter
+from . import _state
+from ._iterator import RingDataLoaderIter, SingleProcessIter
+
+STATE_VERSION = 1
 
 
 class DataLoader(torch.utils.data.DataLoader):
@@ -31,8 +37,89 @@ class DataLoader(torch.utils.data.DataLoader):
     ``RingGrowthWarning``) rather than deadlock.
     """
 
+    _ff_epochs = 0  # iterations started (epochs)
+    _ff_last = None  # weak reference to the latest iterator
+    _ff_resume = None  # the state the next iterator starts from
+
     def _get_iterator(self):
+        resume, self._ff_resume = self._ff_resume, None
         if self.num_workers == 0:
-            return super()._get_iterator()  # torch's single-process path, unchanged
+            return SingleProcessIter(self, resume)  # torch's single-process iterator, plus a state
         self.check_worker_number_rationality()
-        return RingDataLoaderIter(self)
+        return RingDataLoaderIter(self, resume)
+
+    def __iter__(self):
+        it = super().__iter__()
+        self._ff_epochs += 1
+        self._ff_last = weakref.ref(it)
+        return it
+
+    def state_dict(self) -> dict:
+        """Where this loader stands, so that a new process can continue from here.
+
+        Taken after the user received batch k of an epoch, ``load_state_dict`` on a
+        loader built with the same arguments makes its next ``iter()`` yield batches
+        k+1.. of that epoch, bit-identical to an uninterrupted run, and later epochs as
+        they would have been. Taken between epochs (before the first ``iter()``, or
+        after an epoch's iterator ended or was dropped), the next ``iter()`` starts the next
+        epoch.
+
+        The state is plain Python and tensors (``torch.save`` / ``torch.load`` with
+        ``weights_only=True`` work)::
+
+            {
+              "version": 1,
+              "epochs": int,          # iter() calls so far, this one included
+              "rng": {                # the main process's RNGs now (restored by load_state_dict)
+                "torch": ByteTensor, "random": tuple, "numpy": tuple | None,
+                "generator": ByteTensor | None},       # loader.generator
+              "mid_epoch": bool,      # False: between epochs
+              "yielded": int,         # k, batches the user received this epoch
+              "sampler_rng": {"torch": ByteTensor, "generator": ByteTensor | None} | None,
+                                      # what the sampler drew from, just before its first index
+              "base_seed": int,       # the epoch iterator's worker base seed
+              "dataset": object,      # num_workers=0, stateful IterableDataset: its state_dict()
+              "next_worker": int,     # the worker whose task comes next (round robin)
+              "workers": None | [     # None with num_workers=0 or between non-persistent epochs
+                None                  # a worker whose iterable ended and that has exited
+                | {"state": {"torch", "random", "numpy",   # its RNGs after its last task seen
+                             "dataset",                    # stateful IterableDataset's state_dict()
+                             "batches": int,               # batches it made this epoch
+                             "ended": bool},               # its iterable ended
+                   "epoch_start": {"torch", "random", "numpy"}}  # its RNGs at the epoch's start
+              ],
+            }
+
+        Samplers are replayed from ``sampler_rng``: their order must depend only on the
+        torch RNG / ``generator`` state at the epoch's first index (RandomSampler,
+        SequentialSampler, DistributedSampler after the same ``set_epoch``, ...). An
+        IterableDataset without ``state_dict`` is fast-forwarded by reading (and
+        dropping) the batches already produced; one with ``state_dict()`` and
+        ``load_state_dict()`` is restored with them, in each worker. Needs
+        ``in_order=True``. Calling it with workers waits for the tasks they hold.
+        """
+        rng = _state.main_rngs(self.generator)
+        it = self._ff_last() if self._ff_last is not None else None
+        state = {"version": STATE_VERSION, "epochs": self._ff_epochs, "rng": rng}
+        if it is not None and (not it._finished or (self.persistent_workers and self.num_workers > 0)):
+            state.update(it.state_dict())
+        else:
+            state.update(mid_epoch=False, yielded=0, sampler_rng=None, base_seed=None, dataset=None,
+                         next_worker=0, workers=None)  # fmt: skip
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Continue from ``state_dict`` (made by ``state_dict()``) at the next ``iter()``.
+
+        Restores the global RNGs (torch, random, numpy) and ``generator`` to what they
+        were at ``state_dict()``, so a training loop's own random stream continues too.
+        """
+        if state_dict.get("version") != STATE_VERSION:
+            raise ValueError(f"unknown DataLoader state version {state_dict.get('version')!r}")
+        if self._iterator is not None:  # persistent workers: start afresh from the state
+            self._iterator._shutdown_workers()
+            self._iterator = None
+        _state.restore_main_rngs(state_dict["rng"], self.generator)
+        self._ff_epochs = state_dict["epochs"] - (1 if state_dict["mid_epoch"] else 0)
+        needed = state_dict["mid_epoch"] or state_dict["workers"] is not None
+        self._ff_resume = state_dict if needed else None

@@ -322,3 +322,45 @@ class RaggedDataset(tud.Dataset):
 
     def __getitem__(self, i):
         return torch.zeros(5000 + i % 2)
+
+
+class StatefulIterable(tud.IterableDataset):
+    """ShardedIterable that saves and restores its position with state_dict()/load_state_dict().
+
+    Each sample says how many samples this iterator had read before it (`read`), so a
+    resumed worker that replayed its shard instead of loading its state shows.
+    """
+
+    def __init__(self, n=23, width=3):
+        self.n, self.width = n, width
+        self.pos = None  # the next index this replica yields
+        self.read = 0
+        self._start = None
+
+    def state_dict(self):
+        return {"pos": self.pos, "read": self.read}
+
+    def load_state_dict(self, state):
+        self._start = state
+
+    def __iter__(self):
+        info = tud.get_worker_info()
+        first, step = (0, 1) if info is None else (info.id, info.num_workers)
+        start, self._start = self._start, None
+        self.pos, self.read = (first, 0) if start is None else (start["pos"], start["read"])
+        while self.pos < self.n:
+            index = self.pos
+            self.pos += step
+            self.read += 1
+            yield dict(augmented_sample(index, self.width, False), read=self.read)
+
+
+class UnevenIterable(ShardedIterable):
+    """ShardedIterable whose worker 1 (of 2 or more) stops after 3 samples, long before the others."""
+
+    def __iter__(self):
+        info = tud.get_worker_info()
+        for count, sample in enumerate(super().__iter__()):
+            if info is not None and info.id == 1 and count == 3:
+                return
+            yield sample

@@ -7,6 +7,7 @@ code sees the same worker environment; only the transport differs.
 
 from __future__ import annotations
 
+import collections
 import faulthandler
 import os
 import random
@@ -18,6 +19,7 @@ from torch.utils.data import _DatasetKind
 from torch.utils.data._utils import signal_handling
 from torch.utils.data._utils import worker as torch_worker
 
+from .. import _state
 from .._ring import layout, segments
 from . import messages as m
 from .pool import DUMP_SIGNAL
@@ -93,12 +95,32 @@ def _seed_datapipe(dataset, shared_seed):
     return dataset
 
 
+def _plain(rngs) -> dict:
+    return rngs if isinstance(rngs, dict) else _state.rngs_to_plain(rngs)
+
+
+def _state_reply(worker_id, after_idx, snapshots, epoch_start) -> m.StateReply:
+    start = _plain(epoch_start)
+    if after_idx is None:  # no task of this epoch was seen yet
+        return m.StateReply(worker_id, dict(start, dataset=None, batches=0, ended=False), start)
+    for idx, rngs, ds_state, n_batches, ended in reversed(snapshots):
+        if idx == after_idx:
+            state = dict(_plain(rngs), dataset=ds_state, batches=n_batches, ended=ended)
+            return m.StateReply(worker_id, state, start)
+    raise RuntimeError(f"worker {worker_id} no longer holds its state after task {after_idx}")
+
+
 def worker_main(
     worker_id, num_workers, dataset_kind, dataset, auto_collation, collate_fn,
     use_slot_collate, drop_last, base_seed, init_fn, shared_seed, prefix, parent_pid,
-    task_conn, result_conn,
+    history, resume, task_conn, result_conn,
 ):  # fmt: skip
-    """Entry point of one worker process."""
+    """Entry point of one worker process.
+
+    ``history``: how many per-task state snapshots to keep (enough for every task in
+    flight). ``resume``: None, or where ``DataLoader.load_state_dict`` restarts this
+    worker: ``{"state": ..., "epoch_start": ..., "mid_epoch": bool, "replay_index": ...}``.
+    """
     try:
         signal_handling._set_worker_signal_handlers()
         # `kill -USR1 <pid>` (or FASTFEED_HANG_DUMP_S) prints where this worker is stuck.
@@ -126,10 +148,36 @@ def worker_main(
         except Exception:
             init_error = ExceptionWrapper(where=f"in DataLoader worker process {worker_id}")
 
+        # State for DataLoader.state_dict(): the RNGs at the start of this epoch, and
+        # after each recent task (idx, rngs, dataset state, batches this epoch, ended).
+        stateful = dataset_kind == _DatasetKind.Iterable and _state.is_stateful_dataset(dataset)
+        snapshots = collections.deque(maxlen=history)
+        n_batches = 0
+        iteration_end = False
+        epoch_start = _state.snapshot()
+        if resume is not None and init_error is None:
+            state = resume["state"]
+            if resume["mid_epoch"]:
+                epoch_start = resume["epoch_start"]
+                if stateful and state["dataset"] is not None:
+                    dataset.load_state_dict(state["dataset"])
+                    fetcher = new_fetcher()
+                elif dataset_kind == _DatasetKind.Iterable and state["batches"]:
+                    # A plain iterable: replay this epoch's batches from its start, unseen.
+                    _state.restore_rngs(epoch_start)
+                    fetcher = new_fetcher()
+                    for _ in range(state["batches"]):
+                        fetcher.fetch(resume["replay_index"])
+                n_batches, iteration_end = state["batches"], state["ended"]
+            _state.restore_rngs(state)
+            if resume["mid_epoch"]:  # the state to report until this worker's next task is seen
+                snapshots.append((-1, state, state["dataset"], n_batches, iteration_end))
+            else:  # a new epoch of persistent workers begins here
+                epoch_start = _state.snapshot()
+
         writer = SlotWriter(prefix)
         poller = select.poll()
         poller.register(task_conn.fileno(), select.POLLIN)
-        iteration_end = False
         while True:
             if not poller.poll(PARENT_CHECK_S * 1000):
                 if os.getppid() != parent_pid:
@@ -146,7 +194,13 @@ def worker_main(
                 iteration_end = False
                 dataset = _seed_datapipe(dataset, task.shared_seed)
                 fetcher = new_fetcher()
+                snapshots.clear()
+                n_batches, epoch_start = 0, _state.snapshot()
                 result_conn.send_bytes(m.dumps(m.ResumeAck(worker_id)))
+                continue
+            if kind is m.StateRequest:
+                reply = _state_reply(worker_id, task.after_idx, snapshots, epoch_start)
+                result_conn.send_bytes(m.dumps(reply))
                 continue
             if iteration_end:
                 continue  # torch skips tasks after exhaustion, sending nothing
@@ -155,6 +209,7 @@ def worker_main(
             else:
                 try:
                     reply = writer.write(task, fetcher.fetch(task.index), worker_id)
+                    n_batches += 1
                 except Exception as e:
                     if isinstance(e, StopIteration) and dataset_kind == _DatasetKind.Iterable:
                         reply = m.IterEnd(task.idx, worker_id)
@@ -162,6 +217,10 @@ def worker_main(
                     else:
                         wrapper = ExceptionWrapper(where=f"in DataLoader worker process {worker_id}")
                         reply = m.Failed(task.idx, worker_id, wrapper)
+            snapshots.append((
+                task.idx, _state.snapshot(), _state.dataset_state(dataset) if stateful else None,
+                n_batches, iteration_end,
+            ))  # fmt: skip
             result_conn.send_bytes(m.dumps(reply))
             del reply, task
     except KeyboardInterrupt:

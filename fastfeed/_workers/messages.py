@@ -1,7 +1,7 @@
 """Every message that crosses a worker pipe, as a named type.
 
-Main -> worker: ``Task``, ``Resume``, ``Stop``.
-Worker -> main: ``Done``, ``Failed``, ``IterEnd``, ``ResumeAck``.
+Main -> worker: ``Task``, ``Resume``, ``StateRequest``, ``Stop``.
+Worker -> main: ``Done``, ``Failed``, ``IterEnd``, ``ResumeAck``, ``StateReply``.
 
 Messages are pickled by our own code and travel only over the pipes the main
 process created for its own workers; nothing is ever unpickled from shared
@@ -87,6 +87,20 @@ class ResumeAck(NamedTuple):
     """The worker has reset its fetcher for the new epoch."""
 
     worker_id: int
+
+
+class StateRequest(NamedTuple):
+    """Send the state this worker had right after task ``after_idx`` (None: at the epoch's start)."""
+
+    after_idx: int | None
+
+
+class StateReply(NamedTuple):
+    """The worker's state after the requested task, and at the start of its epoch (see ``fastfeed._state``)."""
+
+    worker_id: int
+    state: dict
+    epoch_start: dict
 
 
 def dumps(message) -> bytes:

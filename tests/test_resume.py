@@ -1,0 +1,202 @@
+"""Checkpoint/resume: state_dict() after batch k, load_state_dict() in a new process, same batches.
+
+Each test runs a configuration uninterrupted (the reference), runs it again up to a
+point and takes `loader.state_dict()`, saves it with torch.save, then continues in a
+new Python process started from another global seed: that process builds the same
+loader, loads the state (torch.load with weights_only=True) and must yield the rest of
+the reference, bit for bit, with the training loop's own random draws between batches
+(torch, random, numpy) unchanged too. Configurations are named for tests/_resume.py.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import _candidate
+import _datasets as ds
+import _resume
+from _compare import assert_same
+
+pytestmark = pytest.mark.fastfeed_only
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def resume_in_new_process(name, at_epoch, k, tmp_path):
+    """Stop config `name` after batch k of epoch at_epoch (None: at its end), resume elsewhere, compare.
+
+    Returns the state that was saved.
+    """
+    ref = _resume.reference(name)
+    seen, state = _resume.stopped(name, at_epoch, k)
+    assert_same(seen, ref[:at_epoch] + [ref[at_epoch][: len(seen[-1])]], "before the stop")
+    state_path, out_path = tmp_path / "state.pt", tmp_path / "out.pt"
+    torch.save(state, state_path)
+    mid_epoch = k is not None
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [TESTS_DIR, os.environ.get("PYTHONPATH")])))
+    args = [name, str(at_epoch), "1" if mid_epoch else "0", str(state_path), str(out_path)]
+    proc = subprocess.run(
+        [sys.executable, os.path.join(TESTS_DIR, "_resume.py"), *args],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    got = torch.load(out_path, weights_only=False)
+    expected = ([ref[at_epoch][k:]] if mid_epoch else []) + ref[at_epoch + 1 :]
+    assert sum(map(len, expected)) > 0, "the case resumes nothing; it proves nothing"
+    assert_same(got, expected, "after the resume")
+    return state
+
+
+def test_map_shuffled_single_process_mid_epoch(tmp_path):
+    """Single-process, shuffled (global RNG): resuming after batch 2 of epoch 1 continues exactly."""
+    resume_in_new_process("map:shuffle=1", 1, 2, tmp_path)
+
+
+def test_map_generator_single_process_mid_epoch(tmp_path):
+    """Single-process, shuffled by an explicit generator: resuming mid-epoch continues exactly."""
+    resume_in_new_process("map:shuffle=1,generator=1", 1, 3, tmp_path)
+
+
+def test_map_single_process_epoch_boundary(tmp_path):
+    """Single-process: a state taken after epoch 0 ended starts epoch 1 as the uninterrupted run did."""
+    resume_in_new_process("map:shuffle=1", 0, None, tmp_path)
+
+
+def test_map_shuffled_workers_mid_epoch(tmp_path):
+    """Two workers, shuffled (global RNG): per-worker RNG streams and order continue exactly mid-epoch."""
+    resume_in_new_process("map:shuffle=1,nw=2", 1, 2, tmp_path)
+
+
+def test_map_generator_workers_mid_epoch(tmp_path):
+    """Two workers, explicit generator: base seed, order and worker streams continue exactly."""
+    resume_in_new_process("map:shuffle=1,nw=2,generator=1", 1, 3, tmp_path)
+
+
+def test_map_workers_epoch_boundary(tmp_path):
+    """Two workers: a state taken after epoch 0 ended gives epochs 1 and 2 as uninterrupted."""
+    state = resume_in_new_process("map:shuffle=1,nw=2", 0, None, tmp_path)
+    assert state["mid_epoch"] is False and state["workers"] is None
+
+
+def test_map_workers_odd_batch_count(tmp_path):
+    """Resuming when the next batch belongs to worker 1 keeps the round robin in step."""
+    state = resume_in_new_process("map:shuffle=1,nw=2", 1, 3, tmp_path)
+    assert state["next_worker"] == 1
+
+
+def test_iterable_single_process_mid_epoch(tmp_path):
+    """Single-process IterableDataset: fast-forwarded past the batches seen, it continues exactly."""
+    resume_in_new_process("iterable:", 1, 3, tmp_path)
+
+
+def test_iterable_workers_mid_epoch(tmp_path):
+    """Two workers over an IterableDataset: each replica resumes at its own position."""
+    resume_in_new_process("iterable:nw=2", 1, 3, tmp_path)
+
+
+def test_iterable_workers_near_the_end(tmp_path):
+    """Two workers over an IterableDataset, resumed one batch before both replicas end."""
+    resume_in_new_process("iterable:nw=2", 1, 5, tmp_path)
+
+
+def test_iterable_worker_ended_before_the_state(tmp_path):
+    """A worker whose replica ended (and exited) before the state stays out of the resumed epoch."""
+    state = resume_in_new_process("uneven:nw=2,bs=2", 1, 6, tmp_path)
+    assert state["workers"][1] is None
+
+
+def test_persistent_iterable_worker_ended_before_the_state(tmp_path):
+    """Persistent workers: a replica that ended before the state is idle, then runs the next epochs."""
+    state = resume_in_new_process("uneven:nw=2,bs=2,persistent=1", 1, 6, tmp_path)
+    assert state["workers"][1]["state"]["ended"] is True
+
+
+def test_persistent_workers_mid_epoch(tmp_path):
+    """Persistent workers: resumed mid-epoch 1, epoch 2 continues each worker's stream as torch's would."""
+    resume_in_new_process("map:shuffle=1,nw=2,persistent=1", 1, 2, tmp_path)
+
+
+def test_persistent_workers_epoch_boundary(tmp_path):
+    """Persistent workers: a state after epoch 1 ended restarts the workers where their streams were."""
+    state = resume_in_new_process("map:shuffle=1,nw=2,persistent=1", 1, None, tmp_path)
+    assert state["mid_epoch"] is False and len(state["workers"]) == 2
+
+
+def test_persistent_iterable_mid_epoch(tmp_path):
+    """Persistent workers over an IterableDataset: resumed mid-epoch, later epochs match too."""
+    resume_in_new_process("iterable:nw=2,persistent=1", 1, 5, tmp_path)
+
+
+def test_distributed_sampler_workers(tmp_path):
+    """DistributedSampler (2 replicas, rank 0, set_epoch each epoch) with two workers resumes exactly."""
+    resume_in_new_process("distributed:nw=2", 1, 1, tmp_path)
+
+
+def test_distributed_sampler_single_process(tmp_path):
+    """DistributedSampler (2 replicas, rank 0, set_epoch each epoch) without workers resumes exactly."""
+    resume_in_new_process("distributed:", 1, 2, tmp_path)
+
+
+def test_stateful_iterable_single_process(tmp_path):
+    """Single-process: an IterableDataset's own state_dict() is saved and loaded instead of replaying it."""
+    state = resume_in_new_process("stateful:", 1, 3, tmp_path)
+    assert state["dataset"] == {"pos": 12, "read": 12}
+
+
+def test_stateful_iterable_workers(tmp_path):
+    """Two workers: each worker's dataset state after its last batch seen is saved and restored in it."""
+    state = resume_in_new_process("stateful:nw=2", 1, 3, tmp_path)
+    assert [w["state"]["dataset"] for w in state["workers"]] == [{"pos": 16, "read": 8}, {"pos": 9, "read": 4}]
+
+
+def test_stateful_iterable_persistent_workers(tmp_path):
+    """Persistent workers over a stateful IterableDataset resume mid-epoch and run later epochs alike."""
+    resume_in_new_process("stateful:nw=2,persistent=1", 1, 3, tmp_path)
+
+
+def test_out_of_order_refuses():
+    """With in_order=False there is no reproducible position, so state_dict() raises ValueError."""
+    loader = _candidate.DataLoader(ds.PlainDataset(8), batch_size=2, num_workers=2, in_order=False)
+    it = iter(loader)
+    next(it)
+    with pytest.raises(ValueError, match="in_order"):
+        loader.state_dict()
+    del it
+
+
+def test_fresh_loader_state_restarts_from_the_first_epoch():
+    """A state taken before any iteration makes a fresh loader run epoch 0 as the original would."""
+    _resume.seed_all(_resume.SEED)
+    loader, _ = _resume.build("map:shuffle=1,nw=2")
+    state = loader.state_dict()
+    ref = _resume.epoch(loader, None, 0)[0]
+    _resume.seed_all(_resume.OTHER_SEED)
+    other, _ = _resume.build("map:shuffle=1,nw=2")
+    other.load_state_dict(state)
+    assert_same(_resume.epoch(other, None, 0)[0], ref)
+
+
+def test_worker_rng_snapshot_round_trips():
+    """A worker's fast RNG snapshot restores torch, random and numpy exactly, cached gaussians included."""
+    import random
+
+    import numpy as np
+
+    from fastfeed import _state
+
+    _resume.seed_all(5)
+    np.random.normal()  # leaves a cached gaussian in numpy's legacy state
+    random.gauss(0, 1)  # and in random's gauss_next
+    snap = _state.rngs_to_plain(_state.snapshot())
+
+    def draws():
+        return (torch.rand(3), random.gauss(0, 1), random.random(), np.random.normal(size=3), np.random.rand())
+
+    first = draws()
+    _state.restore_rngs(snap)
+    second = draws()
+    assert torch.equal(first[0], second[0]) and first[1:3] == second[1:3]
+    assert (first[3] == second[3]).all() and first[4] == second[4]
