@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import IterDataPipe, MapDataPipe, _DatasetKind
 from torch.utils.data._utils.collate import default_collate
 from torch.utils.data._utils.pin_memory import pin_memory
-from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_init_fn, _SingleProcessDataLoaderIter
+from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_init_fn
 
 from . import _state, config
 from ._ring import layout, segments
@@ -28,6 +28,7 @@ from ._ring.ring import Ring
 from ._workers import messages as m
 from ._workers.loop import worker_main
 from ._workers.pool import STATUS_CHECK_S, Pool, WorkerDied
+
 
 class _Task:
     """One batch's task, from the moment its index is taken until it is yielded."""
@@ -50,61 +51,6 @@ _live: weakref.WeakSet = weakref.WeakSet()
 def _shutdown_all() -> None:
     for it in list(_live):
         it._shutdown_workers()
-
-
-class SingleProcessIter(_SingleProcessDataLoaderIter):
-    """torch's single-process iterator, plus what ``DataLoader.state_dict()`` needs.
-
-    Its "worker" is the main process: the RNG states are the global ones, saved by the
-    loader; this iterator adds the sampler's position and a stateful dataset's state.
-    """
-
-    def __init__(self, loader, resume: dict | None = None) -> None:
-        self._generator = loader.generator
-        self._sampler_rng = None  # sampler RNGs just before this epoch's first index
-        self._finished = False
-        stateful = loader._dataset_kind == _DatasetKind.Iterable and _state.is_stateful_dataset(loader.dataset)
-        self._stateful = stateful
-        if resume is None:
-            super().__init__(loader)
-            return
-        keep = _state.main_rngs(self._generator)  # resuming draws nothing the user would see
-        if stateful and resume["dataset"] is not None:
-            loader.dataset.load_state_dict(resume["dataset"])  # before iter(dataset)
-        super().__init__(loader)
-        if resume["sampler_rng"] is not None:
-            self._sampler_rng = resume["sampler_rng"]
-            _state.restore_sampler_rngs(self._sampler_rng, self._generator)
-            replay = self._dataset_kind == _DatasetKind.Iterable and not stateful
-            for _ in range(resume["yielded"]):
-                index = next(self._sampler_iter)
-                if replay:  # a plain iterable can only be moved forward by reading it
-                    self._dataset_fetcher.fetch(index)
-        self._num_yielded = resume["yielded"]
-        _state.restore_main_rngs(keep, self._generator)
-
-    def _next_index(self):
-        if self._sampler_rng is None:
-            self._sampler_rng = _state.sampler_rngs(self._generator)
-        return next(self._sampler_iter)
-
-    def _next_data(self):
-        try:
-            return super()._next_data()
-        except StopIteration:
-            self._finished = True
-            raise
-
-    def state_dict(self) -> dict:
-        return {
-            "mid_epoch": not self._finished,
-            "yielded": self._num_yielded,
-            "sampler_rng": self._sampler_rng,
-            "base_seed": self._base_seed,
-            "dataset": _state.dataset_state(self._dataset) if self._stateful else None,
-            "next_worker": 0,
-            "workers": None,
-        }
 
 
 class RingDataLoaderIter(_BaseDataLoaderIter):

@@ -16,7 +16,8 @@ import weakref
 import torch.utils.data
 
 from . import _state
-from ._iterator import RingDataLoaderIter, SingleProcessIter
+from ._iterator import RingDataLoaderIter
+from ._single import SingleProcessIter
 
 STATE_VERSION = 1
 
