@@ -55,6 +55,13 @@ def test_non_contiguous_and_mixed_dtype_samples_fall_back_to_torch_stack():
     assert torch.equal(out, torch.stack([s.to(torch.float32) for s in samples]))
 
 
+def test_large_samples_that_require_grad_raise_as_in_torchs_workers():
+    """Samples requiring grad cannot be stacked into slot memory, whatever their size: torch.stack's out= error."""
+    samples = [torch.ones(layout.GATHER_MIN_SAMPLE_BYTES, requires_grad=True) for _ in range(2)]
+    with pytest.raises(RuntimeError, match="don't support automatic differentiation"):
+        _round_trip(samples)
+
+
 def test_mismatched_shapes_raise_torchs_stack_error():
     """Samples of different shapes raise the same error as torch.stack, not a crash or silent garbage."""
     samples = [torch.zeros(9000), torch.zeros(9001)]

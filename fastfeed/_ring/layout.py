@@ -150,13 +150,13 @@ def view(base: torch.Tensor, leaf: Leaf) -> torch.Tensor:
 def _gatherable(stack: Stack) -> bool:
     """Whether every sample is plain contiguous CPU memory of the batch's dtype and shape.
 
-    Anything else goes through torch.stack, which casts, or raises torch's own error.
+    Anything else goes through torch.stack, which casts, or raises torch's own error
+    (a sample that requires grad cannot be stacked into ``out=``, as in torch's workers).
     """
     shape, dtype = stack.shape[1:], stack.dtype
     return all(
-        type(t) is torch.Tensor
-        and t.layout == torch.strided
-        and t.device.type == "cpu"
+        _is_plain(t)
+        and not t.requires_grad
         and t.dtype == dtype
         and t.shape == shape
         and t.is_contiguous()
