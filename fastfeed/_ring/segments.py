@@ -41,6 +41,11 @@ def _name(directory: str, base: str) -> str:
     return "/" + base if directory == POSIX_SHM_DIR else os.path.join(directory, base)
 
 
+def _path(name: str) -> str:
+    # The file behind a segment name: the name itself, or its place in /dev/shm.
+    return name if "/" in name[1:] else os.path.join(POSIX_SHM_DIR, name[1:])
+
+
 def pages(nbytes: int) -> int:
     """``nbytes`` rounded up to whole pages: the size of every segment we create."""
     return -(-nbytes // PAGE) * PAGE
@@ -61,7 +66,7 @@ def create(prefix: str, size: int):
             raise OSError(
                 e.errno,
                 f"fastfeed needs {size} bytes of shared memory for a batch slot, and "
-                f"{os.path.dirname(name) if '/' in name[1:] else POSIX_SHM_DIR} could not "
+                f"{os.path.dirname(_path(name))} could not "
                 f"provide them ({e.strerror}). Give it more (for Docker: docker run "
                 "--shm-size=8g ...), or point FASTFEED_SHM_DIR at a larger tmpfs, or lower "
                 "batch_size, num_workers or prefetch_factor.",
@@ -75,10 +80,6 @@ def attach(name: str, populate: bool = True):
 
 def unlink(name: str) -> bool:
     return _native.C.unlink(name)
-
-
-def _path(name: str) -> str:
-    return name if "/" in name[1:] else os.path.join(POSIX_SHM_DIR, name[1:])
 
 
 def sweep(prefix: str) -> int:
