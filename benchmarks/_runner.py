@@ -46,6 +46,7 @@ MB = 1e6
 FIGURES = {
     "throughput": ("batches_per_s", 1.0, "batch/s", 0.0),
     "main_cpu_s": ("main_cpu_s", 1.0, "s", 0.0),
+    "tree_cpu_s": ("tree_cpu_s", 1.0, "s", 0.0),
     "peak_pss": ("pss_delta_mb", 1.0, "MB", 1.0),
     "peak_pss_abs": ("pss_peak_mb", 1.0, "MB", 0.0),
     "peak_footprint": ("foot_delta_mb", 1.0, "MB", 1.0),
@@ -68,6 +69,11 @@ class Comparison:
         batches: Timed batches per trial.
         mem_batches: Batches per trial iterated, untimed, for the peak PSS.
         bars: Figure -> ``(">=" or "<=", ratio)`` the brief sets for this comparison.
+        candidate_tag: Appended to the candidate's printed name (``"process"``: ``fastfeed-process``).
+        variants: More candidate sides, run in the same rounds: tag -> candidate kwargs (on top of
+            the workload's). Variant ``v`` is summarized against the baseline, under the key
+            ``"<workload> <label> <v>"``, and against the candidate, under
+            ``"<workload> <label> <v>/<candidate_tag or 'candidate'>"``.
     """
 
     workload: Any
@@ -78,6 +84,8 @@ class Comparison:
     batches: int
     mem_batches: int
     bars: dict = field(default_factory=dict)
+    candidate_tag: str = ""
+    variants: dict = field(default_factory=dict)
 
 
 # --- candidate -----------------------------------------------------------------------------
@@ -232,6 +240,24 @@ def _main_cpu_s() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+def _tree_cpu_s() -> dict[int, float]:
+    """CPU seconds (user + system) so far of this process and each live descendant, by pid.
+
+    From ``/proc/<pid>/stat``, in clock ticks (10 ms): coarse, but worker processes are not
+    reaped until their loader ends, so ``getrusage(RUSAGE_CHILDREN)`` cannot see them mid-trial.
+    """
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in process_tree():
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited while we read
+        out[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime: fields 14 and 15
+    return out
+
+
 def _release_freed_memory() -> None:
     """Collect garbage and hand freed heap pages back to the OS.
 
@@ -260,7 +286,8 @@ def run_trial(loader_cls: type, workload: Any, kwargs: dict, warmup: int, batche
 
     1. ``iter(loader)`` to the first batch: time to first batch.
     2. ``warmup - 1`` more untimed batches, so the timer starts with workers up and queues full.
-    3. ``batches`` timed batches: throughput and main-process CPU.
+    3. ``batches`` timed batches: throughput, main-process CPU and the CPU of the whole process tree
+       (main process and workers).
     4. ``mem_batches`` more batches, with a PSS sample after each and a thread sampling every ~10 ms.
 
     Reading smaps_rollup walks a process's page tables (~5 ms for a process that has imported
@@ -279,7 +306,7 @@ def run_trial(loader_cls: type, workload: Any, kwargs: dict, warmup: int, batche
         mem_batches: Untimed batches iterated for the peak PSS (phase 4).
 
     Returns:
-        The trial record: times, throughput, main-process CPU, PSS figures.
+        The trial record: times, throughput, main-process and process-tree CPU, PSS figures.
     """
     warmup = max(1, warmup)
     _release_freed_memory()
@@ -300,9 +327,11 @@ def run_trial(loader_cls: type, workload: Any, kwargs: dict, warmup: int, batche
         for _ in range(warmup - 1):
             touch(next(it))
         mem.sample()
+        tree0 = _tree_cpu_s()  # scanning /proc costs main-process CPU: outside the timed phase
         cpu0, w0 = _main_cpu_s(), time.perf_counter()
         nbytes = sum(touch(next(it)) for _ in range(batches))
         w1, cpu1 = time.perf_counter(), _main_cpu_s()
+        tree1 = _tree_cpu_s()
         mem.sample()
         with mem.sampling():
             for _ in range(mem_batches):
@@ -319,6 +348,7 @@ def run_trial(loader_cls: type, workload: Any, kwargs: dict, warmup: int, batche
         batches_per_s=batches / seconds if batches else None,
         bytes_per_s=nbytes / seconds if batches else None, bytes=nbytes,
         main_cpu_s=cpu1 - cpu0 if batches else None,
+        tree_cpu_s=sum(t - tree0.get(pid, 0.0) for pid, t in tree1.items()) if batches else None,
         pss_base_mb=pss_base, pss_peak_mb=mem.peak_mb, pss_delta_mb=mem.peak_mb - pss_base,
         foot_peak_mb=mem.foot_peak_mb, foot_delta_mb=mem.foot_peak_mb - foot_base,
         peak_procs=mem.peak_procs, pss_samples=mem.samples, leftover_procs=leftover,
@@ -330,18 +360,25 @@ def run_trial(loader_cls: type, workload: Any, kwargs: dict, warmup: int, batche
 
 def _kwargs(comp: Comparison, own: dict, mp_context: str | None) -> dict:
     kwargs = {**comp.workload.loader_kwargs, **own}
-    if mp_context and kwargs.get("num_workers", 0) > 0:  # torch rejects a context at nw=0
+    # torch rejects a context at nw=0; a side that sets its own (None: thread workers) keeps it.
+    if mp_context and kwargs.get("num_workers", 0) > 0 and "multiprocessing_context" not in own:
         kwargs["multiprocessing_context"] = mp_context
     return kwargs
 
 
+def _tagged(name: str, tag: str) -> str:
+    return f"{name}-{tag}" if tag else name
+
+
 def compare(comp: Comparison, candidate: type, baseline: type = TorchDataLoader, rounds: int = 5,
             mp_context: str | None = None, names: tuple[str, str] = ("candidate", "torch")) -> list[dict]:
-    """Run ``rounds`` rounds of baseline and candidate trials, interleaved.
+    """Run ``rounds`` rounds of baseline and candidate trials (and variants), interleaved.
 
     Round r runs baseline then candidate when r is even, the reverse when odd, so drift in
-    the machine's state (frequency, page cache, neighbours) hits both sides alike. One untimed
-    priming trial per loader first absorbs one-time costs (lazy imports, helper processes).
+    the machine's state (frequency, page cache, neighbours) hits both sides alike. With
+    variants, round r runs the sides (baseline, candidate, variants...) rotated left by r, so
+    over a multiple of their number of rounds each side runs in each position equally often.
+    One untimed priming trial per side first absorbs one-time costs (lazy imports, helper processes).
 
     Args:
         comp: What to compare.
@@ -349,20 +386,29 @@ def compare(comp: Comparison, candidate: type, baseline: type = TorchDataLoader,
         baseline: The baseline loader class, torch's DataLoader.
         rounds: Number of rounds.
         mp_context: ``multiprocessing_context`` for both loaders when they have workers.
-        names: Names of candidate and baseline, stored in the records.
+        names: Names of candidate and baseline, stored in the records (the candidate's and the
+            variants' with their tags appended).
 
     Returns:
-        One record per trial (``2 * rounds``).
+        One record per trial (``(2 + len(comp.variants)) * rounds``); ``role`` is ``"baseline"``,
+        ``"candidate"`` or a variant's tag.
     """
     sides = {
         "baseline": (baseline, _kwargs(comp, comp.baseline_kwargs, mp_context), names[1]),
-        "candidate": (candidate, _kwargs(comp, comp.candidate_kwargs, mp_context), names[0]),
+        "candidate": (candidate, _kwargs(comp, comp.candidate_kwargs, mp_context),
+                      _tagged(names[0], comp.candidate_tag)),
     }
+    for tag, own in comp.variants.items():
+        if tag in sides:
+            raise ValueError(f"a variant may not be named {tag!r}")
+        sides[tag] = (candidate, _kwargs(comp, own, mp_context), _tagged(names[0], tag))
     for cls, kwargs, _ in sides.values():
         run_trial(cls, comp.workload, kwargs, warmup=1, batches=1)
     records = []
+    roles = list(sides)
     for r in range(rounds):
-        order = ("baseline", "candidate") if r % 2 == 0 else ("candidate", "baseline")
+        k = r % len(roles)
+        order = roles[k:] + roles[:k]  # two sides: (baseline, candidate), (candidate, baseline), ...
         for position, role in enumerate(order):
             cls, kwargs, name = sides[role]
             rec = dict(workload=comp.workload.name, comparison=comp.label, round=r, position=position,
@@ -380,24 +426,28 @@ def _figures(unit: str) -> dict[str, tuple[str, float, str, float]]:
     return {**FIGURES, "throughput": GBPS} if unit == "GB/s" else FIGURES
 
 
-def summarize(comp: Comparison, records: list[dict]) -> dict:
+def summarize(comp: Comparison, records: list[dict], num: str = "candidate", den: str = "baseline") -> dict:
     """Median, min and max over rounds of the candidate/baseline ratio, for every figure.
 
     Args:
         comp: The comparison the records belong to.
         records: Its trial records, from :func:`compare`.
+        num: Role of the ratio's numerator (``"candidate"`` or a variant's tag).
+        den: Role of its denominator (``"baseline"`` or ``"candidate"``).
 
     Returns:
         Figure -> ``{median, min, max, candidate, baseline, unit}`` (candidate and baseline are
-        medians of absolute values in ``unit``), plus ``bar`` and ``meets_bar`` where one is set.
+        medians of absolute values in ``unit``, of ``num`` and ``den``), plus ``bar`` and
+        ``meets_bar`` where one is set (bars are for candidate/baseline only).
     """
     rounds: dict[int, dict[str, dict]] = {}
     for rec in records:
         rounds.setdefault(rec["round"], {})[rec["role"]] = rec
+    bars = comp.bars if (num, den) == ("candidate", "baseline") else {}
     out: dict[str, Any] = {}
     for fig, (key, scale, unit, floor) in _figures(comp.workload.unit).items():
-        pairs = [(r["candidate"][key], r["baseline"][key]) for r in rounds.values()
-                 if r["candidate"][key] is not None and r["baseline"][key] is not None]
+        pairs = [(r[num][key], r[den][key]) for r in rounds.values()
+                 if r[num][key] is not None and r[den][key] is not None]
         ratios = [c / b for c, b in pairs if b > floor]
         stat = dict(median=None, min=None, max=None, candidate=None, baseline=None, unit=unit)
         if pairs:
@@ -405,8 +455,8 @@ def summarize(comp: Comparison, records: list[dict]) -> dict:
                         baseline=statistics.median(b for _, b in pairs) * scale)
         if ratios:
             stat.update(median=statistics.median(ratios), min=min(ratios), max=max(ratios))
-        if fig in comp.bars:
-            op, bar = comp.bars[fig]
+        if fig in bars:
+            op, bar = bars[fig]
             stat["bar"] = f"{op}{bar}"
             ok = stat["median"] is not None and (stat["median"] >= bar if op == ">=" else stat["median"] <= bar)
             stat["meets_bar"] = ok
@@ -470,7 +520,7 @@ def run_script(script: str, comparisons: list[Comparison], args: argparse.Namesp
 
     Returns:
         The result: ``workload``, ``params``, ``rounds`` (trial records) and ``summary``
-        (``"<workload> <label>"`` -> figure -> stats).
+        (``"<workload> <label>"`` -> figure -> stats; see :class:`Comparison` for variants' keys).
     """
     candidate, cand_name = resolve_candidate(args.candidate)
     names = (cand_name, "torch")
@@ -487,10 +537,17 @@ def run_script(script: str, comparisons: list[Comparison], args: argparse.Namesp
     for comp in comparisons:
         recs = compare(comp, candidate, TorchDataLoader, args.rounds, args.mp_context, names)
         key = f"{comp.workload.name} {comp.label}"
-        summary[key] = summarize(comp, recs)
         records += recs
-        for fig in figures:
-            say(format_line(key, fig, summary[key][fig], names))
+        cand = _tagged(cand_name, comp.candidate_tag)
+        ratios = [(key, "candidate", "baseline", (cand, "torch"))]  # summary key, num, den, names
+        for tag in comp.variants:
+            ratios += [(f"{key} {tag}", tag, "baseline", (_tagged(cand_name, tag), "torch")),
+                       (f"{key} {tag}/{comp.candidate_tag or 'candidate'}", tag, "candidate",
+                        (_tagged(cand_name, tag), cand))]
+        for skey, num, den, pair in ratios:
+            summary[skey] = summarize(comp, recs, num, den)
+            for fig in figures:
+                say(format_line(key, fig, summary[skey][fig], pair))
     result = dict(
         workload={c.workload.name: dict(c.workload.describe, unit=c.workload.unit) for c in comparisons},
         params=dict(

@@ -26,8 +26,9 @@ from . import _state, config
 from ._ring import layout, segments
 from ._ring.ring import Ring
 from ._workers import messages as m
-from ._workers.loop import worker_main
+from ._workers.loop import WorkerSpec, worker_main
 from ._workers.pool import STATUS_CHECK_S, Pool, WorkerDied
+from ._workers.threads import ThreadPool, thread_worker_main
 
 
 class _Task:
@@ -76,17 +77,24 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         # memory stays at torch's. The batch being handed over borrows the slot
         # of the next task until the user lets go of the previous batch.
         self._ring = Ring(self._num_workers * self._prefetch_factor)
-        parent = os.getpid()
-        history = self._num_workers * self._prefetch_factor + 2  # states of the tasks in flight, and one more
-
-        def args_for(wid):
-            return (
-                wid, self._num_workers, self._dataset_kind, self._dataset, self._auto_collation,
-                self._collate_fn, use_slot_collate, self._drop_last, self._base_seed, init_fn,
-                self._shared_seed, self._ring.prefix, parent, history, self._worker_resume(wid),
+        spec = WorkerSpec(
+            self._num_workers, self._dataset_kind, self._dataset, self._auto_collation, self._collate_fn,
+            use_slot_collate, self._drop_last, self._base_seed, init_fn, self._shared_seed, self._ring.prefix,
+            history=self._num_workers * self._prefetch_factor + 2,  # states of the tasks in flight, and one more
+        )  # fmt: skip
+        self._threads = getattr(loader, "worker_type", "process") == "thread"
+        if self._threads:
+            ring = self._ring  # not self: the threads must not keep this iterator alive
+            self._pool = ThreadPool(
+                self._num_workers, thread_worker_main, lambda wid: (wid, spec, ring.segment),
+                hang_dump_s=config.hang_dump_s(),
             )  # fmt: skip
-
-        self._pool = Pool(context, self._num_workers, worker_main, args_for, hang_dump_s=config.hang_dump_s())
+        else:
+            parent = os.getpid()
+            self._pool = Pool(
+                context, self._num_workers, worker_main,
+                lambda wid: (wid, spec, parent, self._worker_resume(wid)), hang_dump_s=config.hang_dump_s(),
+            )  # fmt: skip
         self._shutdown = False
         _live.add(self)
         self._reset(loader, first_iter=True)
@@ -142,7 +150,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
             except StopIteration:
                 break
         self._num_yielded = resume["yielded"]
-        for wid, saved in enumerate(resume["workers"]):
+        for wid, saved in enumerate(resume["workers"] or ()):  # None: thread workers, stateless
             self._workers_status[wid] = bool(saved) and not saved["state"]["ended"]
             if saved:
                 self._last_task[wid] = -1  # the worker holds its restored state as "task -1"
@@ -158,7 +166,15 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
             raise ValueError("DataLoader.state_dict() needs in_order=True: out of order, batches depend on timing")
         mid_epoch = not self._finished
         workers = None
-        if mid_epoch or self._persistent_workers:
+        if self._threads:
+            # Worker threads draw from the process's RNGs: they have no state of their
+            # own to save, and an iterable's position lies in iterators nobody can save.
+            if self._dataset_kind == _DatasetKind.Iterable and mid_epoch:
+                raise ValueError(
+                    "DataLoader.state_dict() mid-epoch needs worker_type='process' for an IterableDataset: "
+                    "worker threads share one dataset object, whose per-worker position cannot be saved"
+                )
+        elif mid_epoch or self._persistent_workers:
             if self._shutdown:
                 raise RuntimeError("DataLoader.state_dict(): this iterator's workers were shut down")
             workers = self._worker_states()
@@ -179,9 +195,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         A worker answers after the tasks it was sent before the request; their answers
         are kept for when their turn comes.
         """
-        asked = [
-            wid for wid in range(self._num_workers) if self._workers_status[wid] or self._persistent_workers
-        ]
+        asked = [wid for wid in range(self._num_workers) if self._workers_status[wid] or self._persistent_workers]
         for wid in asked:
             self._pool.send(wid, m.StateRequest(self._last_task[wid]))
         states = [None] * self._num_workers
@@ -400,4 +414,3 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
 
     def __del__(self) -> None:
         self._shutdown_workers()
-

@@ -14,12 +14,14 @@ from __future__ import annotations
 import weakref
 
 import torch.utils.data
+from torch.utils.data import IterDataPipe, MapDataPipe
 
 from . import _state
 from ._iterator import RingDataLoaderIter
 from ._single import SingleProcessIter
 
 STATE_VERSION = 1
+WORKER_TYPES = ("process", "thread")
 
 
 class DataLoader(torch.utils.data.DataLoader):
@@ -31,12 +33,34 @@ class DataLoader(torch.utils.data.DataLoader):
             ``pin_memory``, ``drop_last``, ``timeout``, ``worker_init_fn``,
             ``multiprocessing_context``, ``generator``, ``prefetch_factor``,
             ``persistent_workers``, ``pin_memory_device``, ``in_order``).
+        worker_type: ``"process"`` (torch's model) or ``"thread"``: the
+            ``num_workers`` workers are threads of this process, for datasets whose
+            work releases the GIL (image decoding, native readers) or free-threaded
+            Python. Same batches, order and errors; threads share the process's global
+            RNGs and the one dataset object (see ``fastfeed._workers.threads``).
 
     Batches from worker processes are views of reused shared-memory slots. A
     slot is recycled only once no tensor views it, so holding on to batches is
     safe; holding on to many of them makes the ring grow (with one
     ``RingGrowthWarning``) rather than deadlock.
     """
+
+    def __init__(self, *args, worker_type: str = "process", **kwargs):
+        if worker_type not in WORKER_TYPES:
+            raise ValueError(f"worker_type must be one of {WORKER_TYPES}, got {worker_type!r}")
+        super().__init__(*args, **kwargs)
+        if worker_type == "thread":
+            if self.multiprocessing_context is not None:
+                raise ValueError(
+                    "multiprocessing_context applies to worker processes; worker_type='thread' starts threads. "
+                    "Pass one or the other."
+                )
+            if isinstance(self.dataset, (IterDataPipe, MapDataPipe)):
+                raise ValueError(
+                    "worker_type='thread' does not support DataPipes (sharding and seeding change the one "
+                    "shared graph); use worker_type='process'"
+                )
+        self.worker_type = worker_type
 
     _ff_epochs = 0  # iterations started (epochs)
     _ff_last = None  # weak reference to the latest iterator

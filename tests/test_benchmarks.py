@@ -18,10 +18,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "benchmarks"
-FIGURES = {"throughput", "main_cpu_s", "peak_pss", "peak_pss_abs", "peak_footprint", "ttfb", "ctor_ttfb"}
+FIGURES = {"throughput", "main_cpu_s", "tree_cpu_s", "peak_pss", "peak_pss_abs", "peak_footprint", "ttfb",
+           "ctor_ttfb"}
 STATS = {"median", "min", "max", "candidate", "baseline", "unit"}
 RECORD = {"workload", "comparison", "round", "position", "role", "loader", "num_workers", "ttfb_s",
-          "batches_per_s", "bytes_per_s", "main_cpu_s", "pss_base_mb", "pss_peak_mb", "pss_delta_mb"}
+          "batches_per_s", "bytes_per_s", "main_cpu_s", "tree_cpu_s", "pss_base_mb", "pss_peak_mb", "pss_delta_mb"}
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +85,26 @@ def test_startup_spawn(tmp_path, bench_env):
     """The workloads' datasets pickle, so both loaders start workers under spawn."""
     result = run_quick("startup", tmp_path, bench_env, "--rounds", "1", "--mp-context", "spawn")
     assert result["params"]["mp_context"] == "spawn" and result["params"]["rounds"] == 1
+
+
+def test_jpeg(tmp_path, bench_env):
+    """jpeg.py runs fastfeed's worker processes and threads against torch's processes in the same rounds."""
+    pytest.importorskip("PIL")
+    result = run_quick("jpeg", tmp_path, bench_env)
+    summary, rounds = result["summary"], result["params"]["rounds"]
+    if result["params"]["candidate"] == "torch*":  # no worker_type: the two process sides only
+        assert set(summary) == {"jpeg nw=2"}
+        assert len(result["rounds"]) == 2 * rounds
+    else:
+        assert set(summary) == {"jpeg nw=2", "jpeg nw=2 thread", "jpeg nw=2 thread/process"}
+        assert len(result["rounds"]) == 3 * rounds
+        assert {r["loader"] for r in result["rounds"]} == {"fastfeed-process", "fastfeed-thread", "torch"}
+        # Every round runs all three sides, each first in a different round.
+        assert sorted(r["role"] for r in result["rounds"] if r["position"] == 0) == ["baseline", "candidate"]
+    assert result["workload"]["jpeg"]["batch_size"] == 64
+    for figures in summary.values():
+        assert figures["throughput"]["unit"] == "batch/s"
+        assert figures["throughput"]["median"] > 0 and figures["tree_cpu_s"]["median"] > 0
 
 
 def test_demo(tmp_path, bench_env):

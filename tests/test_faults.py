@@ -139,7 +139,7 @@ def test_a_thousand_restarts_keep_fds_memory_and_segments_flat(persistent):
     def state():
         gc.collect()
         rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGESIZE")
-        return len(os.listdir("/proc/self/fd")), rss, len(_leaks.shm_segments(("fastfeed-",)))
+        return len(os.listdir("/proc/self/fd")), rss, len(_leaks.shm_segments((f"fastfeed-{os.getpid()}-",)))
 
     for _ in range(20):  # warm up allocator pools and caches
         list(loader)

@@ -112,6 +112,10 @@ class Ring:
         self._slots.append(slot)
         return slot
 
+    def segment(self, ref: SlotRef):
+        """The segment lent as ``ref`` (what a worker thread writes into, unmapped twice)."""
+        return self._slots[ref.slot_id].segment
+
     def _regrow(self, slot: Slot) -> None:
         # The old mapping stays alive for as long as anything still views it;
         # the worker swaps its own mapping when it sees the new name.

@@ -1,8 +1,10 @@
-"""The worker process: fetch a batch, collate it straight into a slot, report.
+"""The worker loop: fetch a batch, collate it straight into a slot, report.
 
 This mirrors torch's ``_worker_loop`` step for step (seeding, worker info,
 init errors, IterableDataset exhaustion, persistent-worker resume), so user
-code sees the same worker environment; only the transport differs.
+code sees the same worker environment; only the transport differs. The loop
+itself (``serve``) is shared by worker processes (``worker_main``, here) and
+worker threads (``threads.py``); they differ in set-up and in how messages travel.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import faulthandler
 import os
 import random
 import select
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch._utils import ExceptionWrapper
@@ -24,20 +27,44 @@ from .._ring import layout, segments
 from . import messages as m
 from .pool import DUMP_SIGNAL
 
-PARENT_CHECK_S = 5.0  # how often an idle worker checks that its parent lives
+PARENT_CHECK_S = 5.0  # how often an idle worker process checks that its parent lives
+
+
+class WorkerSpec(NamedTuple):
+    """What every worker of one iterator is given (pickled once per worker process)."""
+
+    num_workers: int
+    dataset_kind: int
+    dataset: Any
+    auto_collation: bool
+    collate_fn: Callable
+    use_slot_collate: bool  # the default collate: stack straight into the slot
+    drop_last: bool
+    base_seed: int
+    init_fn: Callable | None
+    shared_seed: int | None
+    prefix: str  # the ring's segment name prefix, for one-off segments
+    history: int  # per-task state snapshots to keep (every task in flight, and one more)
 
 
 class SlotWriter:
-    """Maps the slots this worker is lent, once each, and writes batches into them."""
+    """Maps the slots this worker is lent, once each, and writes batches into them.
 
-    def __init__(self, prefix: str):
+    Args:
+        prefix: the ring's name prefix, for one-off segments.
+        attach: the segment behind a ``SlotRef`` (a process maps it by name; a
+            thread uses the ring's own mapping).
+    """
+
+    def __init__(self, prefix: str, attach: Callable[[m.SlotRef], Any]):
         self.prefix = prefix
+        self.attach = attach
         self.mapped: dict[int, tuple[str, torch.Tensor]] = {}
 
     def _base(self, ref: m.SlotRef) -> torch.Tensor:
         hit = self.mapped.get(ref.slot_id)
         if hit is None or hit[0] != ref.name:  # new slot, or the ring regrew it
-            seg = segments.attach(ref.name)
+            seg = self.attach(ref)
             hit = self.mapped[ref.slot_id] = (ref.name, torch.frombuffer(seg, dtype=torch.uint8))
         return hit[1]
 
@@ -60,12 +87,15 @@ class SlotWriter:
         return m.Done(task.idx, worker_id, nbytes, leaves, payload, overflow)
 
 
-def _yield_to_main() -> None:
-    # SCHED_BATCH: a worker woken by a new task does not preempt the main
-    # process (the training loop). Without it, every task sent to an idle
-    # worker costs the main process a context switch on a busy machine.
+def yield_to_main() -> None:
+    """Put the calling process or thread under SCHED_BATCH.
+
+    A worker woken by a new task then does not preempt the main thread (the
+    training loop). Without it, every task sent to an idle worker costs the
+    main process a context switch on a busy machine.
+    """
     try:
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # 0: the calling thread
     except (AttributeError, OSError):
         pass
 
@@ -110,16 +140,28 @@ def _state_reply(worker_id, after_idx, snapshots, epoch_start) -> m.StateReply:
     raise RuntimeError(f"worker {worker_id} no longer holds its state after task {after_idx}")
 
 
-def worker_main(
-    worker_id, num_workers, dataset_kind, dataset, auto_collation, collate_fn,
-    use_slot_collate, drop_last, base_seed, init_fn, shared_seed, prefix, parent_pid,
-    history, resume, task_conn, result_conn,
-):  # fmt: skip
+def _pipe_reader(task_conn, parent_pid: int) -> Callable[[], Any]:
+    """The next message from the main process, or None once it is gone."""
+    poller = select.poll()
+    poller.register(task_conn.fileno(), select.POLLIN)
+
+    def get():
+        while not poller.poll(PARENT_CHECK_S * 1000):
+            if os.getppid() != parent_pid:
+                return None  # orphaned: the main process died without telling us
+        try:
+            return m.loads(task_conn.recv_bytes())
+        except (EOFError, OSError):
+            return None  # the main process closed our pipe or died
+
+    return get
+
+
+def worker_main(worker_id, spec: WorkerSpec, parent_pid, resume, task_conn, result_conn):
     """Entry point of one worker process.
 
-    ``history``: how many per-task state snapshots to keep (enough for every task in
-    flight). ``resume``: None, or where ``DataLoader.load_state_dict`` restarts this
-    worker: ``{"state": ..., "epoch_start": ..., "mid_epoch": bool, "replay_index": ...}``.
+    ``resume``: None, or where ``DataLoader.load_state_dict`` restarts this worker:
+    ``{"state": ..., "epoch_start": ..., "mid_epoch": bool, "replay_index": ...}``.
     """
     try:
         signal_handling._set_worker_signal_handlers()
@@ -128,102 +170,106 @@ def worker_main(
         torch.multiprocessing._set_thread_name("ff_data_worker")
         # A forked OpenMP pool deadlocks, and workers share the cores anyway.
         torch.set_num_threads(1)
-        _yield_to_main()
-        seed = _seed(base_seed, worker_id)
-        dataset = _seed_datapipe(dataset, shared_seed)
+        yield_to_main()
+        seed = _seed(spec.base_seed, worker_id)
+        dataset = _seed_datapipe(spec.dataset, spec.shared_seed)
         torch_worker._worker_info = torch_worker.WorkerInfo(
-            id=worker_id, num_workers=num_workers, seed=seed, dataset=dataset
+            id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=dataset
         )
-        if use_slot_collate:
-            collate_fn = layout.slot_collate
-
-        def new_fetcher():
-            return _DatasetKind.create_fetcher(dataset_kind, dataset, auto_collation, collate_fn, drop_last)
-
-        init_error = None
-        try:
-            if init_fn is not None:
-                init_fn(worker_id)
-            fetcher = new_fetcher()
-        except Exception:
-            init_error = ExceptionWrapper(where=f"in DataLoader worker process {worker_id}")
-
-        # State for DataLoader.state_dict(): the RNGs at the start of this epoch, and
-        # after each recent task (idx, rngs, dataset state, batches this epoch, ended).
-        stateful = dataset_kind == _DatasetKind.Iterable and _state.is_stateful_dataset(dataset)
-        snapshots = collections.deque(maxlen=history)
-        n_batches = 0
-        iteration_end = False
-        epoch_start = _state.snapshot()
-        if resume is not None and init_error is None:
-            state = resume["state"]
-            if resume["mid_epoch"]:
-                epoch_start = resume["epoch_start"]
-                if stateful and state["dataset"] is not None:
-                    dataset.load_state_dict(state["dataset"])
-                    fetcher = new_fetcher()
-                elif dataset_kind == _DatasetKind.Iterable and state["batches"]:
-                    # A plain iterable: replay this epoch's batches from its start, unseen.
-                    _state.restore_rngs(epoch_start)
-                    fetcher = new_fetcher()
-                    for _ in range(state["batches"]):
-                        fetcher.fetch(resume["replay_index"])
-                n_batches, iteration_end = state["batches"], state["ended"]
-            _state.restore_rngs(state)
-            if resume["mid_epoch"]:  # the state to report until this worker's next task is seen
-                snapshots.append((-1, state, state["dataset"], n_batches, iteration_end))
-            else:  # a new epoch of persistent workers begins here
-                epoch_start = _state.snapshot()
-
-        writer = SlotWriter(prefix)
-        poller = select.poll()
-        poller.register(task_conn.fileno(), select.POLLIN)
-        while True:
-            if not poller.poll(PARENT_CHECK_S * 1000):
-                if os.getppid() != parent_pid:
-                    break  # orphaned: the main process died without telling us
-                continue
-            try:
-                task = m.loads(task_conn.recv_bytes())
-            except (EOFError, OSError):
-                break  # the main process closed our pipe or died
-            kind = type(task)
-            if kind is m.Stop:
-                break
-            if kind is m.Resume:
-                iteration_end = False
-                dataset = _seed_datapipe(dataset, task.shared_seed)
-                fetcher = new_fetcher()
-                snapshots.clear()
-                n_batches, epoch_start = 0, _state.snapshot()
-                result_conn.send_bytes(m.dumps(m.ResumeAck(worker_id)))
-                continue
-            if kind is m.StateRequest:
-                reply = _state_reply(worker_id, task.after_idx, snapshots, epoch_start)
-                result_conn.send_bytes(m.dumps(reply))
-                continue
-            if iteration_end:
-                continue  # torch skips tasks after exhaustion, sending nothing
-            if init_error is not None:
-                reply, init_error = m.Failed(task.idx, worker_id, init_error), None
-            else:
-                try:
-                    reply = writer.write(task, fetcher.fetch(task.index), worker_id)
-                    n_batches += 1
-                except Exception as e:
-                    if isinstance(e, StopIteration) and dataset_kind == _DatasetKind.Iterable:
-                        reply = m.IterEnd(task.idx, worker_id)
-                        iteration_end = True
-                    else:
-                        wrapper = ExceptionWrapper(where=f"in DataLoader worker process {worker_id}")
-                        reply = m.Failed(task.idx, worker_id, wrapper)
-            snapshots.append((
-                task.idx, _state.snapshot(), _state.dataset_state(dataset) if stateful else None,
-                n_batches, iteration_end,
-            ))  # fmt: skip
-            result_conn.send_bytes(m.dumps(reply))
-            del reply, task
+        writer = SlotWriter(spec.prefix, lambda ref: segments.attach(ref.name))
+        get = _pipe_reader(task_conn, parent_pid)
+        serve(worker_id, spec, dataset, writer, get, lambda msg: result_conn.send_bytes(m.dumps(msg)), resume)
     except KeyboardInterrupt:
         pass  # the main process raises KeyboardInterrupt itself
     except BrokenPipeError:
         pass  # the main process is gone; nobody is left to tell
+
+
+def serve(worker_id, spec: WorkerSpec, dataset, writer: SlotWriter, get, put, resume=None, *, thread=False):
+    """Answer tasks until ``get()`` returns ``Stop`` or None.
+
+    ``thread``: this worker is a thread. It keeps no RNG snapshots for
+    ``DataLoader.state_dict()``, since the RNGs it draws from are the process's.
+    """
+    track_state = not thread
+    where = f"in DataLoader worker {'thread' if thread else 'process'} {worker_id}"
+    collate_fn = layout.slot_collate if spec.use_slot_collate else spec.collate_fn
+    kind = spec.dataset_kind
+
+    def new_fetcher():
+        return _DatasetKind.create_fetcher(kind, dataset, spec.auto_collation, collate_fn, spec.drop_last)
+
+    snapshot = _state.snapshot if track_state else lambda: None
+    init_error = None
+    try:
+        if spec.init_fn is not None:
+            spec.init_fn(worker_id)
+        fetcher = new_fetcher()
+    except Exception:
+        init_error = ExceptionWrapper(where=where)
+
+    # State for DataLoader.state_dict(): the RNGs at the start of this epoch, and
+    # after each recent task (idx, rngs, dataset state, batches this epoch, ended).
+    stateful = track_state and kind == _DatasetKind.Iterable and _state.is_stateful_dataset(dataset)
+    snapshots = collections.deque(maxlen=spec.history if track_state else 0)
+    n_batches = 0
+    iteration_end = False
+    epoch_start = snapshot()
+    if resume is not None and init_error is None:
+        state = resume["state"]
+        if resume["mid_epoch"]:
+            epoch_start = resume["epoch_start"]
+            if stateful and state["dataset"] is not None:
+                dataset.load_state_dict(state["dataset"])
+                fetcher = new_fetcher()
+            elif kind == _DatasetKind.Iterable and state["batches"]:
+                # A plain iterable: replay this epoch's batches from its start, unseen.
+                _state.restore_rngs(epoch_start)
+                fetcher = new_fetcher()
+                for _ in range(state["batches"]):
+                    fetcher.fetch(resume["replay_index"])
+            n_batches, iteration_end = state["batches"], state["ended"]
+        _state.restore_rngs(state)
+        if resume["mid_epoch"]:  # the state to report until this worker's next task is seen
+            snapshots.append((-1, state, state["dataset"], n_batches, iteration_end))
+        else:  # a new epoch of persistent workers begins here
+            epoch_start = snapshot()
+
+    while True:
+        task = get()
+        msg_kind = type(task)
+        if task is None or msg_kind is m.Stop:
+            break
+        if msg_kind is m.Resume:
+            iteration_end = False
+            dataset = _seed_datapipe(dataset, task.shared_seed)
+            fetcher = new_fetcher()
+            snapshots.clear()
+            n_batches, epoch_start = 0, snapshot()
+            put(m.ResumeAck(worker_id))
+            continue
+        if msg_kind is m.StateRequest:
+            put(_state_reply(worker_id, task.after_idx, snapshots, epoch_start))
+            continue
+        if iteration_end:
+            continue  # torch skips tasks after exhaustion, sending nothing
+        if init_error is not None:
+            reply, init_error = m.Failed(task.idx, worker_id, init_error), None
+        else:
+            try:
+                reply = writer.write(task, fetcher.fetch(task.index), worker_id)
+                n_batches += 1
+            except Exception as e:
+                if isinstance(e, StopIteration) and kind == _DatasetKind.Iterable:
+                    reply = m.IterEnd(task.idx, worker_id)
+                    iteration_end = True
+                else:
+                    wrapper = ExceptionWrapper(where=where)
+                    reply = m.Failed(task.idx, worker_id, wrapper)
+        if track_state:
+            snapshots.append((
+                task.idx, snapshot(), _state.dataset_state(dataset) if stateful else None,
+                n_batches, iteration_end,
+            ))  # fmt: skip
+        put(reply)
+        del reply, task
