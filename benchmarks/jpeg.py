@@ -15,26 +15,25 @@ tree_cpu_s adds the worker processes: the whole cost of a batch.
 Run: .venv/bin/python benchmarks/jpeg.py [--quick] [--rounds N] [--num-workers 1 2 4] [--out DIR]
 
 Measured:
-  (2026-11-29, 2-core VM, torch 2.13 CPU, fastfeed with worker_type in progress,
-   `.venv/bin/python benchmarks/jpeg.py`)
-  jpeg nw=2  fastfeed-process/torch throughput  median 1.00x (min 0.81x, max 1.18x)  fastfeed-process 19.8 batch/s  torch 20.1 batch/s
-  jpeg nw=2  fastfeed-process/torch main_cpu_s  median 0.16x (min 0.14x, max 0.17x)  fastfeed-process 0.0304 s  torch 0.193 s
-  jpeg nw=2  fastfeed-process/torch tree_cpu_s  median 0.89x (min 0.86x, max 0.92x)  fastfeed-process 6.95 s  torch 7.84 s
-  jpeg nw=2  fastfeed-process/torch peak_pss  median 1.56x (min 1.49x, max 1.94x)  fastfeed-process 79.2 MB  torch 50.2 MB
-  jpeg nw=2  fastfeed-process/torch peak_footprint  median 1.31x (min 1.15x, max 1.55x)  fastfeed-process 80.1 MB  torch 61.2 MB
-  jpeg nw=2  fastfeed-process/torch ttfb  median 1.30x (min 0.64x, max 1.67x)  fastfeed-process 173 ms  torch 140 ms
-  jpeg nw=2  fastfeed-thread/torch throughput  median 0.96x (min 0.75x, max 1.50x)  fastfeed-thread 19.5 batch/s  torch 20.1 batch/s
-  jpeg nw=2  fastfeed-thread/torch main_cpu_s  median 37.08x (min 35.66x, max 40.00x)  fastfeed-thread 7.2 s  torch 0.193 s
-  jpeg nw=2  fastfeed-thread/torch tree_cpu_s  median 0.92x (min 0.88x, max 0.97x)  fastfeed-thread 7.21 s  torch 7.84 s
-  jpeg nw=2  fastfeed-thread/torch peak_pss  median 1.19x (min 1.09x, max 1.39x)  fastfeed-thread 59.1 MB  torch 50.2 MB
-  jpeg nw=2  fastfeed-thread/torch peak_footprint  median 0.99x (min 0.87x, max 1.19x)  fastfeed-thread 60.3 MB  torch 61.2 MB
-  jpeg nw=2  fastfeed-thread/torch ttfb  median 0.88x (min 0.39x, max 1.11x)  fastfeed-thread 113 ms  torch 140 ms
-  jpeg nw=2  fastfeed-thread/fastfeed-process throughput  median 1.00x (min 0.86x, max 1.26x)  fastfeed-thread 19.5 batch/s  fastfeed-process 19.8 batch/s
-  jpeg nw=2  fastfeed-thread/fastfeed-process main_cpu_s  median 234.65x (min 205.11x, max 262.69x)  fastfeed-thread 7.2 s  fastfeed-process 0.0304 s
-  jpeg nw=2  fastfeed-thread/fastfeed-process tree_cpu_s  median 1.04x (min 0.96x, max 1.13x)  fastfeed-thread 7.21 s  fastfeed-process 6.95 s
-  jpeg nw=2  fastfeed-thread/fastfeed-process peak_pss  median 0.74x (min 0.69x, max 0.77x)  fastfeed-thread 59.1 MB  fastfeed-process 79.2 MB
-  jpeg nw=2  fastfeed-thread/fastfeed-process peak_footprint  median 0.75x (min 0.70x, max 0.78x)  fastfeed-thread 60.3 MB  fastfeed-process 80.1 MB
-  jpeg nw=2  fastfeed-thread/fastfeed-process ttfb  median 0.66x (min 0.47x, max 1.43x)  fastfeed-thread 113 ms  fastfeed-process 173 ms
+  (2026-11-29, 2-core VM, torch 2.13 CPU, `.venv/bin/python benchmarks/jpeg.py`)
+  jpeg nw=2  fastfeed-process/torch throughput  median 1.14x (min 0.68x, max 1.17x)  fastfeed-process 29 batch/s  torch 25.7 batch/s
+  jpeg nw=2  fastfeed-process/torch main_cpu_s  median 0.15x (min 0.12x, max 0.20x)  fastfeed-process 0.0302 s  torch 0.197 s
+  jpeg nw=2  fastfeed-process/torch tree_cpu_s  median 0.89x (min 0.86x, max 0.95x)  fastfeed-process 6.81 s  torch 7.57 s
+  jpeg nw=2  fastfeed-process/torch peak_pss  median 1.49x (min 1.44x, max 1.84x)  fastfeed-process 79.8 MB  torch 52.7 MB
+  jpeg nw=2  fastfeed-process/torch peak_footprint  median 1.25x (min 1.12x, max 1.34x)  fastfeed-process 78.8 MB  torch 63.4 MB
+  jpeg nw=2  fastfeed-process/torch ttfb  median 0.98x (min 0.90x, max 1.11x)  fastfeed-process 107 ms  torch 108 ms
+  jpeg nw=2  fastfeed-thread/torch throughput  median 1.01x (min 0.62x, max 1.07x)  fastfeed-thread 25.8 batch/s  torch 25.7 batch/s
+  jpeg nw=2  fastfeed-thread/torch main_cpu_s  median 36.09x (min 31.79x, max 38.53x)  fastfeed-thread 7.05 s  torch 0.197 s
+  jpeg nw=2  fastfeed-thread/torch tree_cpu_s  median 0.93x (min 0.91x, max 0.97x)  fastfeed-thread 7.05 s  torch 7.57 s
+  jpeg nw=2  fastfeed-thread/torch peak_pss  median 1.11x (min 1.06x, max 1.33x)  fastfeed-thread 59 MB  torch 52.7 MB
+  jpeg nw=2  fastfeed-thread/torch peak_footprint  median 0.92x (min 0.82x, max 0.99x)  fastfeed-thread 57.7 MB  torch 63.4 MB
+  jpeg nw=2  fastfeed-thread/torch ttfb  median 0.81x (min 0.70x, max 1.41x)  fastfeed-thread 86.6 ms  torch 108 ms
+  jpeg nw=2  fastfeed-thread/fastfeed-process throughput  median 0.89x (min 0.66x, max 1.08x)  fastfeed-thread 25.8 batch/s  fastfeed-process 29 batch/s
+  jpeg nw=2  fastfeed-thread/fastfeed-process main_cpu_s  median 235.89x (min 187.40x, max 276.43x)  fastfeed-thread 7.05 s  fastfeed-process 0.0302 s
+  jpeg nw=2  fastfeed-thread/fastfeed-process tree_cpu_s  median 1.05x (min 0.96x, max 1.10x)  fastfeed-thread 7.05 s  fastfeed-process 6.81 s
+  jpeg nw=2  fastfeed-thread/fastfeed-process peak_pss  median 0.73x (min 0.72x, max 0.76x)  fastfeed-thread 59 MB  fastfeed-process 79.8 MB
+  jpeg nw=2  fastfeed-thread/fastfeed-process peak_footprint  median 0.73x (min 0.70x, max 0.77x)  fastfeed-thread 57.7 MB  fastfeed-process 78.8 MB
+  jpeg nw=2  fastfeed-thread/fastfeed-process ttfb  median 0.81x (min 0.74x, max 1.40x)  fastfeed-thread 86.6 ms  fastfeed-process 107 ms
 """
 
 from __future__ import annotations
