@@ -1,7 +1,8 @@
 """Builds fastfeed._C from csrc/. Metadata lives in pyproject.toml.
 
-The extension links neither libtorch nor libcudart: it only speaks the buffer protocol, so
-one build serves every torch version and machines with or without CUDA.
+The extension links neither libtorch nor libcudart: it only speaks the buffer protocol, and
+loads the CUDA runtime with dlopen when asked to (csrc/cuda.cpp), so one build serves every
+torch version and machines with or without CUDA.
 """
 
 import sys
@@ -16,8 +17,8 @@ ext = Pybind11Extension(
     include_dirs=["csrc"],
     cxx_std=17,
     extra_compile_args=["-O2"],
-    # shm_open/shm_unlink live in librt before glibc 2.34; the stub is harmless after.
-    libraries=["rt"] if sys.platform.startswith("linux") else [],
+    # shm_open (librt) and dlopen (libdl) live apart before glibc 2.34; the stubs are harmless after.
+    libraries=["rt", "dl"] if sys.platform.startswith("linux") else [],
 )
 
 setup(ext_modules=[ext])

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "copy.h"
+#include "cuda.h"
 #include "segment.h"
 
 namespace py = pybind11;
@@ -20,6 +21,8 @@ void register_errors() {
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
+    } catch (const CudaError& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
     } catch (const OsError& e) {
       // OSError(errno, msg) picks the subclass itself: FileExistsError, PermissionError, ...
       py::object exc = py::reinterpret_steal<py::object>(
@@ -43,6 +46,9 @@ void register_segment(py::module_& m) {
       .def_property_readonly("address",
                              [](const Segment& s) { return reinterpret_cast<std::uintptr_t>(s.data()); })
       .def_property_readonly("numa_bound", &Segment::numa_bound)
+      .def_property_readonly("pinned", &Segment::pinned)
+      // Registration takes milliseconds per 10 MB; other threads go on meanwhile.
+      .def("pin", &Segment::pin, nogil())
       .def("__len__", &Segment::size)
       .def("__repr__",
            [](const Segment& s) {
@@ -53,6 +59,13 @@ void register_segment(py::module_& m) {
                                /*readonly=*/false);
       });
   m.def("unlink", &unlink_segment, py::arg("name"));
+}
+
+void register_cuda(py::module_& m) {
+  // Which library to load is policy (fastfeed/_pinning.py): the runtime torch loaded.
+  m.def("cuda_load", &cuda::load, py::arg("path"),
+        "Load the CUDA runtime at path; returns '' on success, else why not.");
+  m.def("cuda_loaded", &cuda::loaded);
 }
 
 void register_copy(py::module_& m) {
@@ -76,4 +89,5 @@ PYBIND11_MODULE(_C, m) {
   fastfeed::register_segment(m);
   fastfeed::register_lease(m);
   fastfeed::register_copy(m);
+  fastfeed::register_cuda(m);
 }

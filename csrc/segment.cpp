@@ -1,5 +1,7 @@
 #include "segment.h"
 
+#include "cuda.h"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -167,7 +169,18 @@ std::unique_ptr<Segment> Segment::attach(const std::string& name_in, bool popula
   return std::unique_ptr<Segment>(new Segment(name, addr, size, false));
 }
 
-Segment::~Segment() { ::munmap(data_, size_); }
+void Segment::pin() {
+  if (pinned_) return;
+  cuda::host_register(data_, size_);
+  pinned_ = true;
+}
+
+Segment::~Segment() {
+  // The driver must let go of the pages before they are unmapped; a failure here cannot be
+  // reported (destructor) and the unmap is still right.
+  if (pinned_) cuda::host_unregister(data_);
+  ::munmap(data_, size_);
+}
 
 bool unlink_segment(const std::string& name_in) {
   const std::string name = normalize_name(name_in);

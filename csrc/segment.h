@@ -43,6 +43,11 @@ class Segment {
   void* data() const noexcept { return data_; }
   std::size_t size() const noexcept { return size_; }
   bool numa_bound() const noexcept { return numa_bound_; }
+  bool pinned() const noexcept { return pinned_; }
+
+  // Page-locks the whole mapping with cudaHostRegister, once (later calls do nothing), so
+  // copies to a GPU are DMA from it. Destruction unregisters before it unmaps. Throws CudaError.
+  void pin();
 
  private:
   Segment(std::string name, void* data, std::size_t size, bool numa_bound)
@@ -52,6 +57,7 @@ class Segment {
   void* data_;
   std::size_t size_;
   bool numa_bound_;
+  bool pinned_ = false;
 };
 
 // "/x" or "x" -> "/x", a POSIX shm name. An absolute path ("/dir/x") names a file-backed

@@ -14,6 +14,7 @@ import collections
 import functools
 import itertools
 import os
+import warnings
 import weakref
 
 import torch
@@ -22,7 +23,7 @@ from torch.utils.data._utils.collate import default_collate
 from torch.utils.data._utils.pin_memory import pin_memory
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_init_fn
 
-from . import _state, config
+from . import _pinning, _state, config
 from ._ring import layout, segments
 from ._ring.ring import Ring
 from ._workers import messages as m
@@ -55,7 +56,8 @@ def _shutdown_all() -> None:
 
 
 class RingDataLoaderIter(_BaseDataLoaderIter):
-    def __init__(self, loader, resume: dict | None = None) -> None:
+    def __init__(self, loader, resume: dict | None = None, stage=None) -> None:
+        """``stage``: the device stage's plan (``loader._ff_stage``), or None."""
         self._shutdown = True  # until workers exist, there is nothing to shut down
         self._generator = loader.generator
         self._resume = resume  # a DataLoader.state_dict() to start from, or None
@@ -76,11 +78,18 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         # One slot per task in flight: the same batches torch keeps alive, so
         # memory stays at torch's. The batch being handed over borrows the slot
         # of the next task until the user lets go of the previous batch.
-        self._ring = Ring(self._num_workers * self._prefetch_factor)
+        # A device stage holds `held` more batches (copies ahead, and one whose copy may
+        # still be running): slots of their own, so the workers' window stays whole.
+        held = stage.ahead + 1 if stage else 0
+        self._staged = stage is not None
+        self._yield_log = collections.deque(maxlen=held)  # (worker, last tasks) before each yield
+        cuda_slots = stage.device.type == "cuda" if stage else self._pin_memory_device == "cuda"
+        self._ring = Ring(self._num_workers * self._prefetch_factor + held, pin=self._pin_slots(cuda_slots))
         spec = WorkerSpec(
             self._num_workers, self._dataset_kind, self._dataset, self._auto_collation, self._collate_fn,
             use_slot_collate, self._drop_last, self._base_seed, init_fn, self._shared_seed, self._ring.prefix,
-            history=self._num_workers * self._prefetch_factor + 2,  # states of the tasks in flight, and one more
+            # States of the tasks in flight, those a device stage holds, and one more.
+            history=self._num_workers * self._prefetch_factor + held + 2,
         )  # fmt: skip
         self._threads = getattr(loader, "worker_type", "process") == "thread"
         if self._threads:
@@ -98,6 +107,16 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         self._shutdown = False
         _live.add(self)
         self._reset(loader, first_iter=True)
+
+    def _pin_slots(self, wanted: bool) -> bool:
+        """Whether to register the ring with CUDA (else pin_memory copies, as torch does)."""
+        if not (wanted and (self._pin_memory or self._staged)):
+            return False
+        why_not = _pinning.enable()
+        if why_not:
+            warnings.warn(f"fastfeed cannot pin its ring with cudaHostRegister ({why_not}); "
+                          "batches are pinned by copying instead, as torch does", stacklevel=4)  # fmt: skip
+        return not why_not
 
     def _worker_resume(self, wid: int):
         saved = self._resume and self._resume["workers"] and self._resume["workers"][wid]
@@ -160,11 +179,18 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
             self._try_put_index()
         _state.restore_sampler_rngs(keep, self._generator)
 
-    def state_dict(self) -> dict:
-        """This epoch's position and each worker's state (see ``DataLoader.state_dict``)."""
+    def state_dict(self, held_back: int = 0) -> dict:
+        """This epoch's position and each worker's state (see ``DataLoader.state_dict``).
+
+        ``held_back``: the last batches yielded that a device stage has not handed to the
+        user yet; the state is the one from before them.
+        """
         if not self._in_order:
             raise ValueError("DataLoader.state_dict() needs in_order=True: out of order, batches depend on timing")
-        mid_epoch = not self._finished
+        mid_epoch = not self._finished or held_back > 0
+        last_task = self._last_task
+        if held_back:
+            next_worker, last_task = self._yield_log[-held_back]
         workers = None
         if self._threads:
             # Worker threads draw from the process's RNGs: they have no state of their
@@ -177,27 +203,32 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         elif mid_epoch or self._persistent_workers:
             if self._shutdown:
                 raise RuntimeError("DataLoader.state_dict(): this iterator's workers were shut down")
-            workers = self._worker_states()
-        waiting = [i for i, task in self._task_info.items() if self._workers_status[task.wid]]
+            workers = self._worker_states(last_task)
+        if not held_back:
+            waiting = [i for i, task in self._task_info.items() if self._workers_status[task.wid]]
+            next_worker = self._task_info[min(waiting)].wid if waiting and mid_epoch else 0
         return {
             "mid_epoch": mid_epoch,
-            "yielded": self._num_yielded,
+            "yielded": self._num_yielded - held_back,
             "sampler_rng": self._sampler_rng,
             "base_seed": self._base_seed,
             "dataset": None,
-            "next_worker": self._task_info[min(waiting)].wid if waiting and mid_epoch else 0,
+            "next_worker": next_worker,
             "workers": workers,
         }
 
-    def _worker_states(self) -> list:
-        """Ask each live worker for its state after the last of its tasks the user saw.
+    def _worker_states(self, last_task: list) -> list:
+        """Ask each live worker for its state after ``last_task[worker]``, the last of its tasks the user saw.
 
         A worker answers after the tasks it was sent before the request; their answers
         are kept for when their turn comes.
         """
-        asked = [wid for wid in range(self._num_workers) if self._workers_status[wid] or self._persistent_workers]
+        # With a device stage, a worker whose iterable ended stays alive until the epoch ends:
+        # the batches it made before that may still be held back.
+        keep = self._persistent_workers or self._staged
+        asked = [wid for wid in range(self._num_workers) if self._workers_status[wid] or keep]
         for wid in asked:
-            self._pool.send(wid, m.StateRequest(self._last_task[wid]))
+            self._pool.send(wid, m.StateRequest(last_task[wid]))
         states = [None] * self._num_workers
         for wid in asked:
             while True:
@@ -311,8 +342,8 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
                     del self._task_info[self._rcvd_idx]
                 self._rcvd_idx += 1
             else:
-                if not self._persistent_workers:
-                    self._shutdown_workers()
+                if not self._persistent_workers and not self._staged:
+                    self._shutdown_workers()  # a device stage calls end_epoch() once it is done
                 raise StopIteration
 
             task = self._task_info[self._rcvd_idx]
@@ -348,12 +379,26 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         if type(msg) is m.IterEnd:
             self._workers_status[msg.worker_id] = False
             self._last_task[msg.worker_id] = msg.idx
-            if not self._persistent_workers:
+            if not (self._persistent_workers or self._staged):
                 self._pool.retire(msg.worker_id)
             self._discard(self._task_info.pop(msg.idx))
             self._try_put_index()
             return None
         return got
+
+    def _batch_ready(self) -> bool:
+        """Whether the next batch is here already, so taking it cannot wait (device lookahead)."""
+        if self._shutdown or not self._in_order:
+            return False
+        task = self._task_info.get(self._rcvd_idx)
+        if task is None or not task.sent:
+            return False  # settling skipped tasks, or sending this one, might wait: not now
+        return task.msg is not None or self._pool.ready(task.wid)
+
+    def end_epoch(self) -> None:
+        """The device stage has handed over this epoch's last batch."""
+        if not self._persistent_workers:
+            self._shutdown_workers()
 
     def _get_data(self, wid):
         if self._in_order:
@@ -365,6 +410,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
     def _process(self, task: _Task):
         msg = task.msg
         self._workers_num_tasks[task.wid] -= 1
+        before = list(self._last_task) if self._staged else None
         self._last_task[task.wid] = msg.idx
         if type(msg) is m.Done:
             self._ring.note_batch(msg.nbytes)  # first, so the next task can get a slot
@@ -372,6 +418,8 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         if type(msg) is m.Failed:
             self._discard(task)
             msg.error.reraise()
+        if before is not None:  # what state_dict() needs while a device stage holds this batch
+            self._yield_log.append((task.wid, before))
         data = self._materialize(msg, task.slot)
         if self._pin_memory:
             # With an accelerator, pin as torch does (a copy, in this thread);
@@ -391,7 +439,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
                 base = self._ring.lend(adopted)
             else:
                 segments.unlink(msg.overflow)  # mapped now; the name is no longer needed
-                base = torch.frombuffer(seg, dtype=torch.uint8)
+                base = torch.frombuffer(self._ring.pinned(seg), dtype=torch.uint8)
             self._ring.release(slot)
         elif msg.nbytes:
             base = self._ring.lend(slot)

@@ -3,6 +3,8 @@
 - ``FASTFEED_SHM_DIR``: directory for batch segments instead of /dev/shm (another tmpfs when
   /dev/shm is small, as in Docker's default 64 MB).
 - ``FASTFEED_HANG_DUMP_S``: when a batch is this many seconds late, every worker prints its stack.
+- ``FASTFEED_CUDART``: the CUDA runtime library to pin ring memory with, instead of the one
+  torch loaded (for a torch whose runtime is linked statically, or for tests).
 """
 
 from __future__ import annotations
@@ -30,3 +32,7 @@ def hang_dump_s() -> float:
 def shm_dir() -> str:
     """Where batch segments are made: ``FASTFEED_SHM_DIR``, or /dev/shm."""
     return os.path.abspath(os.environ.get("FASTFEED_SHM_DIR") or "/dev/shm")
+
+
+def cudart() -> str:
+    return os.environ.get("FASTFEED_CUDART", "")

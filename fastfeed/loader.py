@@ -16,7 +16,7 @@ import weakref
 import torch.utils.data
 from torch.utils.data import IterDataPipe, MapDataPipe
 
-from . import _state
+from . import _state, transfer
 from ._iterator import RingDataLoaderIter
 from ._single import SingleProcessIter
 
@@ -38,6 +38,15 @@ class DataLoader(torch.utils.data.DataLoader):
             work releases the GIL (image decoding, native readers) or free-threaded
             Python. Same batches, order and errors; threads share the process's global
             RNGs and the one dataset object (see ``fastfeed._workers.threads``).
+        device: ``None`` (CPU batches, as torch), ``"cuda"``/``"cuda:N"`` or ``"cpu"``. With
+            a CUDA device, batches arrive on it: copied from the pinned ring slots with
+            ``non_blocking=True`` on a dedicated stream, and your current stream waits for
+            the copy (the host does not). Non-tensor leaves pass through unchanged.
+        device_transform: a callable applied to each batch on the device, on the copy
+            stream, before you see it (e.g. ``fastfeed.transforms.ImageNormalize``: PCIe
+            then carries uint8, 4x fewer bytes than float32).
+        device_prefetch: batches copied ahead of the one you are given, when they are
+            ready (default 1; with ``num_workers=0`` there is no lookahead).
 
     Batches from worker processes are views of reused shared-memory slots. A
     slot is recycled only once no tensor views it, so holding on to batches is
@@ -45,10 +54,15 @@ class DataLoader(torch.utils.data.DataLoader):
     ``RingGrowthWarning``) rather than deadlock.
     """
 
-    def __init__(self, *args, worker_type: str = "process", **kwargs):
+    def __init__(
+        self, *args, worker_type: str = "process", device=None, device_transform=None, device_prefetch: int = 1,
+        **kwargs,
+    ):  # fmt: skip
         if worker_type not in WORKER_TYPES:
             raise ValueError(f"worker_type must be one of {WORKER_TYPES}, got {worker_type!r}")
         super().__init__(*args, **kwargs)
+        self._ff_stage = transfer.plan(device, device_transform, device_prefetch)
+        self.device = None if self._ff_stage is None else self._ff_stage.device
         if worker_type == "thread":
             if self.multiprocessing_context is not None:
                 raise ValueError(
@@ -64,6 +78,8 @@ class DataLoader(torch.utils.data.DataLoader):
 
     _ff_epochs = 0  # iterations started (epochs)
     _ff_last = None  # weak reference to the latest iterator
+    _ff_staged = None  # weak reference to the latest device stage over it
+    _ff_copier = None  # the device stage's streams, made once
     _ff_resume = None  # the state the next iterator starts from
 
     def _get_iterator(self):
@@ -71,13 +87,25 @@ class DataLoader(torch.utils.data.DataLoader):
         if self.num_workers == 0:
             return SingleProcessIter(self, resume)  # torch's single-process iterator, plus a state
         self.check_worker_number_rationality()
-        return RingDataLoaderIter(self, resume)
+        return RingDataLoaderIter(self, resume, self._ff_stage)
 
     def __iter__(self):
+        staged = self._ff_staged() if self._ff_staged is not None else None
+        if staged is not None:
+            staged.close()  # a new epoch: copies of the last one's unseen batches are moot
         it = super().__iter__()
         self._ff_epochs += 1
         self._ff_last = weakref.ref(it)
-        return it
+        if self._ff_stage is None:
+            return it
+        if self._ff_copier is None:
+            self._ff_copier = transfer.copier_for(self._ff_stage)
+        if self.num_workers == 0:  # loading ahead would run in this thread: no lookahead
+            staged = transfer.DeviceIter(it, self._ff_copier, 0, lambda: False)
+        else:
+            staged = transfer.DeviceIter(it, self._ff_copier, self._ff_stage.ahead, it._batch_ready, it.end_epoch)
+        self._ff_staged = weakref.ref(staged)
+        return staged
 
     def state_dict(self) -> dict:
         """Where this loader stands, so that a new process can continue from here.
@@ -125,9 +153,11 @@ class DataLoader(torch.utils.data.DataLoader):
         """
         rng = _state.main_rngs(self.generator)
         it = self._ff_last() if self._ff_last is not None else None
+        staged = self._ff_staged() if self._ff_staged is not None else None
+        held_back = staged.held_back if staged is not None and staged.source is it else 0
         state = {"version": STATE_VERSION, "epochs": self._ff_epochs, "rng": rng}
-        if it is not None and (not it._finished or (self.persistent_workers and self.num_workers > 0)):
-            state.update(it.state_dict())
+        if it is not None and (not it._finished or held_back or (self.persistent_workers and self.num_workers > 0)):
+            state.update(it.state_dict(held_back) if held_back else it.state_dict())
         else:
             state.update(mid_epoch=False, yielded=0, sampler_rng=None, base_seed=None, dataset=None,
                          next_worker=0, workers=None)  # fmt: skip

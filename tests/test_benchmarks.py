@@ -115,3 +115,12 @@ def test_demo(tmp_path, bench_env):
     result = json.loads(next(tmp_path.glob("demo-*.json")).read_text())
     assert len(result["summary"]) == 5
     assert all(key in proc.stdout for key in result["summary"])
+
+
+def test_gpu_check_without_cuda_says_so():
+    """gpu_check.py on a machine without CUDA says that nothing was measured, and exits 0."""
+    if __import__("torch").cuda.is_available():
+        pytest.skip("CUDA is present: gpu_check.py measures for real (run it by hand)")
+    proc = subprocess.run([sys.executable, str(BENCH / "gpu_check.py")], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+    assert proc.returncode == 0 and "no CUDA device here" in proc.stdout, proc.stdout + proc.stderr

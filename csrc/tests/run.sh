@@ -13,8 +13,8 @@ set -u -o pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 csrc=$(dirname "$here")
-sources=("$csrc/segment.cpp" "$csrc/copy.cpp" "$here/test_native.cpp")
-libs=(-lrt -pthread)
+sources=("$csrc/segment.cpp" "$csrc/copy.cpp" "$csrc/cuda.cpp" "$here/test_native.cpp")
+libs=(-lrt -ldl -pthread)
 common=(-std=c++17 -I"$csrc")
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/fastfeed-cctest.XXXXXX") || exit 1

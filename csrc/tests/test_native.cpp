@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "../copy.h"
+#include "../cuda.h"
 #include "../segment.h"
 
 #if defined(__SANITIZE_ADDRESS__)
@@ -337,6 +338,31 @@ void test_unlink_true_then_false() {
   CHECK(!shm_exists(name));
   CHECK(!fastfeed::unlink_segment(name));
   CHECK(!fastfeed::unlink_segment(name.substr(1)));  // same name without the '/'
+}
+
+// Without a CUDA runtime (this test never loads a real one): loading reports why, pinning
+// throws CudaError and leaves the segment unpinned, and its destructor does not unregister.
+void test_cuda_runtime_absent() {
+  CHECK(!fastfeed::cuda::loaded());
+  const std::string missing = fastfeed::cuda::load("/nonexistent/libcudart.so.12");
+  CHECK_MSG(missing.find("nonexistent") != std::string::npos, missing);
+  const std::string not_cuda = fastfeed::cuda::load("libc.so.6");
+  CHECK_MSG(not_cuda.find("has no symbol cudaHostRegister") != std::string::npos, not_cuda);
+  CHECK(!fastfeed::cuda::loaded());
+  CHECK(fastfeed::cuda::host_unregister(nullptr) == -1);
+  const std::string name = fresh_name();
+  {
+    auto s = Segment::create(name, 4096);
+    bool threw = false;
+    try {
+      s->pin();
+    } catch (const fastfeed::CudaError& e) {
+      threw = std::string(e.what()).find("not loaded") != std::string::npos;
+    }
+    CHECK(threw);
+    CHECK(!s->pinned());
+  }
+  CHECK(fastfeed::unlink_segment(name));
 }
 
 void test_attach_missing() {
@@ -732,6 +758,7 @@ int main() {
       {"mode_0600", test_mode_0600},
       {"unlink_true_then_false", test_unlink_true_then_false},
       {"attach_missing", test_attach_missing},
+      {"cuda_runtime_absent", test_cuda_runtime_absent},
       {"attach_refuses_foreign_mode", test_attach_refuses_foreign_mode},
       {"attach_refuses_empty", test_attach_refuses_empty},
       {"bad_sizes_and_names", test_bad_sizes_and_names},

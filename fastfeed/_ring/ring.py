@@ -47,9 +47,11 @@ class Ring:
     Args:
         capacity: slots to keep before growing (the caller sizes it from the
             prefetch window).
+        pin: register every segment the ring maps with CUDA (cudaHostRegister), once;
+            the CUDA runtime must be loaded (``fastfeed._pinning.enable``).
     """
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, pin: bool = False):
         global _reclaimed
         if not _reclaimed:
             # Once per process: segments of fastfeed processes that were killed
@@ -58,6 +60,7 @@ class Ring:
             segments.reclaim()
         self.prefix = segments.new_prefix()
         self.capacity = capacity
+        self.pin = pin
         # A training loop holds the previous batch while it asks for the next,
         # which may take one slot beyond the window; past that, batches are
         # being kept.
@@ -99,7 +102,7 @@ class Ring:
                 self._regrow(slot)
             return slot
         if len(self._slots) + self.pending < self.capacity:
-            slot = Slot(len(self._slots), segments.create(self.prefix, self.slot_size))
+            slot = Slot(len(self._slots), self.pinned(segments.create(self.prefix, self.slot_size)))
             self._slots.append(slot)
             return slot
         return None
@@ -108,9 +111,15 @@ class Ring:
         """Keep a worker-made segment as a slot, if the ring has room and it is big enough."""
         if len(self._slots) >= self.capacity or segment.size < self.slot_size:
             return None
-        slot = Slot(len(self._slots), segment)
+        slot = Slot(len(self._slots), self.pinned(segment))
         self._slots.append(slot)
         return slot
+
+    def pinned(self, segment):
+        """``segment``, registered with CUDA if this ring pins (a one-off segment too)."""
+        if self.pin:
+            segment.pin()
+        return segment
 
     def segment(self, ref: SlotRef):
         """The segment lent as ``ref`` (what a worker thread writes into, unmapped twice)."""
@@ -120,7 +129,7 @@ class Ring:
         # The old mapping stays alive for as long as anything still views it;
         # the worker swaps its own mapping when it sees the new name.
         segments.unlink(slot.segment.name)
-        slot.segment = segments.create(self.prefix, self.slot_size)
+        slot.segment = self.pinned(segments.create(self.prefix, self.slot_size))
 
     def grow(self) -> None:
         """Make room for one more slot because every slot is held by batches the user kept."""

@@ -94,6 +94,10 @@ class Pool:
         w = self.workers[wid]
         return self._wait(w.poller, lambda fd: w, timeout)
 
+    def ready(self, wid: int) -> bool:
+        """Whether worker ``wid`` has a message waiting (or has died): recv would not wait."""
+        return bool(self.workers[wid].poller.poll(0))
+
     def recv_any(self, timeout: float | None):
         """The next message from whichever worker answers first."""
         return self._wait(self._any, self._fd_owner.__getitem__, timeout)

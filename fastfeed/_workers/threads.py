@@ -123,6 +123,16 @@ class ThreadPool:
         """The next message from worker ``wid``; raises on its death or on timeout."""
         return self._wait(wid, timeout)
 
+    def ready(self, wid: int) -> bool:
+        """Whether worker ``wid`` has a reply waiting: recv would not wait."""
+        while not self._held[wid]:
+            try:
+                got_wid, msg = self._replies.get_nowait()
+            except queue.Empty:
+                return False
+            self._held[got_wid].append(msg)
+        return True
+
     def recv_any(self, timeout: float | None):
         """The next message from whichever worker answers first."""
         return self._wait(None, timeout)
