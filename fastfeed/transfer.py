@@ -184,7 +184,10 @@ class DeviceIter:
                 queue.popleft()
 
     def __del__(self) -> None:
-        self.close()
+        try:
+            self.close()
+        except RuntimeError:
+            pass  # at interpreter exit CUDA may be gone already, and the slots with it
 
 
 class Stage(NamedTuple):
