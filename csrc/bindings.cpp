@@ -7,6 +7,7 @@
 
 #include "copy.h"
 #include "cuda.h"
+#include "numa.h"
 #include "segment.h"
 
 namespace py = pybind11;
@@ -68,6 +69,14 @@ void register_cuda(py::module_& m) {
   m.def("cuda_loaded", &cuda::loaded);
 }
 
+void register_numa(py::module_& m) {
+  // Per thread: a worker process or thread calls these on itself.
+  m.def("numa_prefer_node", &numa::prefer_node, py::arg("node"));
+  m.def(
+      "numa_policy", [](std::uintptr_t address) { return numa::policy(reinterpret_cast<const void*>(address)); },
+      py::arg("address") = 0);
+}
+
 void register_copy(py::module_& m) {
   // Addresses, not buffers: the caller (layout.fill) holds the tensors alive and has
   // checked that each source is contiguous and that the destination has room.
@@ -90,4 +99,5 @@ PYBIND11_MODULE(_C, m) {
   fastfeed::register_lease(m);
   fastfeed::register_copy(m);
   fastfeed::register_cuda(m);
+  fastfeed::register_numa(m);
 }

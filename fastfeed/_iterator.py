@@ -23,7 +23,7 @@ from torch.utils.data._utils.collate import default_collate
 from torch.utils.data._utils.pin_memory import pin_memory
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_init_fn
 
-from . import _pinning, _state, config
+from . import _pinning, _state, affinity, config
 from ._ring import layout, segments
 from ._ring.ring import Ring
 from ._workers import messages as m
@@ -84,12 +84,18 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         self._staged = stage is not None
         self._yield_log = collections.deque(maxlen=held)  # (worker, last tasks) before each yield
         cuda_slots = stage.device.type == "cuda" if stage else self._pin_memory_device == "cuda"
-        self._ring = Ring(self._num_workers * self._prefetch_factor + held, pin=self._pin_slots(cuda_slots))
+        # Workers, their memory and the ring go on the GPU's NUMA node (loader.numa_plan).
+        where = affinity.placement(loader.numa_plan)
+        self._ring = Ring(
+            self._num_workers * self._prefetch_factor + held, pin=self._pin_slots(cuda_slots),
+            numa_node=None if where is None else where.node,
+        )  # fmt: skip
         spec = WorkerSpec(
             self._num_workers, self._dataset_kind, self._dataset, self._auto_collation, self._collate_fn,
             use_slot_collate, self._drop_last, self._base_seed, init_fn, self._shared_seed, self._ring.prefix,
             # States of the tasks in flight, those a device stage holds, and one more.
             history=self._num_workers * self._prefetch_factor + held + 2,
+            placement=where,
         )  # fmt: skip
         self._threads = getattr(loader, "worker_type", "process") == "thread"
         if self._threads:

@@ -1,11 +1,13 @@
 """The ``fastfeed`` command.
 
-    fastfeed cleanup [--dir DIR]   unlink segments left by fastfeed processes that were killed
+fastfeed cleanup [--dir DIR]   unlink segments left by fastfeed processes that were killed
+fastfeed info [--json]         the machine, this rank's placement plan, what is available
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from . import config
@@ -20,12 +22,23 @@ def _cleanup(args) -> int:
     return 0
 
 
+def _info(args) -> int:
+    from . import info
+
+    report = info.report()
+    print(json.dumps(report, indent=2) if args.json else info.render(report))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="fastfeed", description="fastfeed: keep GPUs fed.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("cleanup", help="unlink shared memory left by killed fastfeed processes")
     p.add_argument("--dir", help="segment directory (default: FASTFEED_SHM_DIR or /dev/shm)")
     p.set_defaults(run=_cleanup)
+    p = sub.add_parser("info", help="topology, placement plan and what is available (paste it into bug reports)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(run=_info)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -3,6 +3,8 @@
 - ``FASTFEED_SHM_DIR``: directory for batch segments instead of /dev/shm (another tmpfs when
   /dev/shm is small, as in Docker's default 64 MB).
 - ``FASTFEED_HANG_DUMP_S``: when a batch is this many seconds late, every worker prints its stack.
+- ``FASTFEED_SYSFS_ROOT``: read the machine's topology from this sysfs tree instead of /sys
+  (read by ``fastfeed.topology``; for tests and bug reproductions).
 - ``FASTFEED_CUDART``: the CUDA runtime library to pin ring memory with, instead of the one
   torch loaded (for a torch whose runtime is linked statically, or for tests).
 """
@@ -36,3 +38,7 @@ def shm_dir() -> str:
 
 def cudart() -> str:
     return os.environ.get("FASTFEED_CUDART", "")
+
+
+def sysfs_root() -> str:
+    return os.environ.get("FASTFEED_SYSFS_ROOT") or "/sys"

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import weakref
 
+import torch
 import torch.utils.data
 from torch.utils.data import IterDataPipe, MapDataPipe
 
-from . import _state, transfer
+from . import _state, affinity, transfer
 from ._iterator import RingDataLoaderIter
 from ._single import SingleProcessIter
 
@@ -47,6 +48,12 @@ class DataLoader(torch.utils.data.DataLoader):
             then carries uint8, 4x fewer bytes than float32).
         device_prefetch: batches copied ahead of the one you are given, when they are
             ready (default 1; with ``num_workers=0`` there is no lookahead).
+        numa: where workers run. ``"auto"`` (default): when a CUDA device is targeted
+            (``device="cuda"``, or ``pin_memory=True`` with CUDA), workers run on CPUs of the
+            GPU's NUMA node, split with the other local ranks (torchrun's ``LOCAL_RANK``,
+            ``LOCAL_WORLD_SIZE``), prefer that node's memory, and the ring's memory is
+            bound there. A node number forces that node; ``"off"`` places nothing. The
+            plan is ``loader.numa_plan`` once iteration starts (see ``fastfeed info``).
 
     Batches from worker processes are views of reused shared-memory slots. A
     slot is recycled only once no tensor views it, so holding on to batches is
@@ -56,12 +63,15 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def __init__(
         self, *args, worker_type: str = "process", device=None, device_transform=None, device_prefetch: int = 1,
-        **kwargs,
+        numa="auto", **kwargs,
     ):  # fmt: skip
         if worker_type not in WORKER_TYPES:
             raise ValueError(f"worker_type must be one of {WORKER_TYPES}, got {worker_type!r}")
         super().__init__(*args, **kwargs)
         self._ff_stage = transfer.plan(device, device_transform, device_prefetch)
+        affinity.check(numa)
+        self.numa = numa
+        self.numa_plan = None  # made when the first workers start
         self.device = None if self._ff_stage is None else self._ff_stage.device
         if worker_type == "thread":
             if self.multiprocessing_context is not None:
@@ -80,6 +90,7 @@ class DataLoader(torch.utils.data.DataLoader):
     _ff_last = None  # weak reference to the latest iterator
     _ff_staged = None  # weak reference to the latest device stage over it
     _ff_copier = None  # the device stage's streams, made once
+    _ff_planned = False  # numa_plan was made
     _ff_resume = None  # the state the next iterator starts from
 
     def _get_iterator(self):
@@ -87,7 +98,18 @@ class DataLoader(torch.utils.data.DataLoader):
         if self.num_workers == 0:
             return SingleProcessIter(self, resume)  # torch's single-process iterator, plus a state
         self.check_worker_number_rationality()
+        if not self._ff_planned:
+            self._ff_planned = True
+            self.numa_plan = affinity.plan_for(self.numa, self._cuda_target(), self.num_workers)
         return RingDataLoaderIter(self, resume, self._ff_stage)
+
+    def _cuda_target(self):
+        """The CUDA device batches are headed for, if any: its NUMA node is where workers belong."""
+        if self._ff_stage is not None:
+            return self._ff_stage.device
+        if self.pin_memory and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return None
 
     def __iter__(self):
         staged = self._ff_staged() if self._ff_staged is not None else None

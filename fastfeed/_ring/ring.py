@@ -49,9 +49,10 @@ class Ring:
             prefetch window).
         pin: register every segment the ring maps with CUDA (cudaHostRegister), once;
             the CUDA runtime must be loaded (``fastfeed._pinning.enable``).
+        numa_node: bind the ring's memory to this node before it is first touched.
     """
 
-    def __init__(self, capacity: int, pin: bool = False):
+    def __init__(self, capacity: int, pin: bool = False, numa_node: int | None = None):
         global _reclaimed
         if not _reclaimed:
             # Once per process: segments of fastfeed processes that were killed
@@ -61,6 +62,7 @@ class Ring:
         self.prefix = segments.new_prefix()
         self.capacity = capacity
         self.pin = pin
+        self.numa_node = numa_node
         # A training loop holds the previous batch while it asks for the next,
         # which may take one slot beyond the window; past that, batches are
         # being kept.
@@ -102,7 +104,7 @@ class Ring:
                 self._regrow(slot)
             return slot
         if len(self._slots) + self.pending < self.capacity:
-            slot = Slot(len(self._slots), self.pinned(segments.create(self.prefix, self.slot_size)))
+            slot = Slot(len(self._slots), self.pinned(self._create()))
             self._slots.append(slot)
             return slot
         return None
@@ -114,6 +116,9 @@ class Ring:
         slot = Slot(len(self._slots), self.pinned(segment))
         self._slots.append(slot)
         return slot
+
+    def _create(self):
+        return segments.create(self.prefix, self.slot_size, self.numa_node)
 
     def pinned(self, segment):
         """``segment``, registered with CUDA if this ring pins (a one-off segment too)."""
@@ -129,7 +134,7 @@ class Ring:
         # The old mapping stays alive for as long as anything still views it;
         # the worker swaps its own mapping when it sees the new name.
         segments.unlink(slot.segment.name)
-        slot.segment = self.pinned(segments.create(self.prefix, self.slot_size))
+        slot.segment = self.pinned(self._create())
 
     def grow(self) -> None:
         """Make room for one more slot because every slot is held by batches the user kept."""

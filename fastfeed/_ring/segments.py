@@ -56,11 +56,11 @@ def new_prefix() -> str:
     return _name(config.shm_dir(), f"fastfeed-{os.getpid()}-{_PIDNS}-{secrets.token_hex(4)}-")
 
 
-def create(prefix: str, size: int):
-    """Create a fresh segment of ``size`` bytes, prefaulted, named under ``prefix``."""
+def create(prefix: str, size: int, numa_node: int | None = None):
+    """Create a fresh segment of ``size`` bytes, prefaulted (on ``numa_node``, if given), named under ``prefix``."""
     name = prefix + secrets.token_hex(8)
     try:
-        return _native.C.Segment.create(name, size)
+        return _native.C.Segment.create(name, size, numa_node=-1 if numa_node is None else numa_node)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
             raise OSError(

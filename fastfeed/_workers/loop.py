@@ -22,7 +22,7 @@ from torch.utils.data import _DatasetKind
 from torch.utils.data._utils import signal_handling
 from torch.utils.data._utils import worker as torch_worker
 
-from .. import _state
+from .. import _state, affinity
 from .._ring import layout, segments
 from . import messages as m
 from .pool import DUMP_SIGNAL
@@ -45,6 +45,7 @@ class WorkerSpec(NamedTuple):
     shared_seed: int | None
     prefix: str  # the ring's segment name prefix, for one-off segments
     history: int  # per-task state snapshots to keep (every task in flight, and one more)
+    placement: Any = None  # affinity.Placement: the CPUs and NUMA node of every worker, or None
 
 
 class SlotWriter:
@@ -56,9 +57,10 @@ class SlotWriter:
             thread uses the ring's own mapping).
     """
 
-    def __init__(self, prefix: str, attach: Callable[[m.SlotRef], Any]):
+    def __init__(self, prefix: str, attach: Callable[[m.SlotRef], Any], numa_node: int | None = None):
         self.prefix = prefix
         self.attach = attach
+        self.numa_node = numa_node  # for one-off segments
         self.mapped: dict[int, tuple[str, torch.Tensor]] = {}
 
     def _base(self, ref: m.SlotRef) -> torch.Tensor:
@@ -75,7 +77,7 @@ class SlotWriter:
             if task.slot is not None and nbytes <= task.slot.size:
                 base = self._base(task.slot)
             else:  # no slot yet, or the batch outgrew it: a one-off segment
-                seg = segments.create(self.prefix, segments.pages(nbytes))
+                seg = segments.create(self.prefix, segments.pages(nbytes), self.numa_node)
                 overflow = seg.name
                 base = torch.frombuffer(seg, dtype=torch.uint8)
             try:
@@ -85,6 +87,10 @@ class SlotWriter:
                     segments.unlink(overflow)
                 raise
         return m.Done(task.idx, worker_id, nbytes, leaves, payload, overflow)
+
+
+def node_of(spec: WorkerSpec) -> int | None:
+    return None if spec.placement is None else spec.placement.node
 
 
 def yield_to_main() -> None:
@@ -165,6 +171,7 @@ def worker_main(worker_id, spec: WorkerSpec, parent_pid, resume, task_conn, resu
     """
     try:
         signal_handling._set_worker_signal_handlers()
+        affinity.apply(spec.placement)  # first: what this worker allocates from here on lands on its node
         # `kill -USR1 <pid>` (or FASTFEED_HANG_DUMP_S) prints where this worker is stuck.
         faulthandler.register(DUMP_SIGNAL, all_threads=True)
         torch.multiprocessing._set_thread_name("ff_data_worker")
@@ -176,7 +183,7 @@ def worker_main(worker_id, spec: WorkerSpec, parent_pid, resume, task_conn, resu
         torch_worker._worker_info = torch_worker.WorkerInfo(
             id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=dataset
         )
-        writer = SlotWriter(spec.prefix, lambda ref: segments.attach(ref.name))
+        writer = SlotWriter(spec.prefix, lambda ref: segments.attach(ref.name), node_of(spec))
         get = _pipe_reader(task_conn, parent_pid)
         serve(worker_id, spec, dataset, writer, get, lambda msg: result_conn.send_bytes(m.dumps(msg)), resume)
     except KeyboardInterrupt:

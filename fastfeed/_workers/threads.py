@@ -29,7 +29,8 @@ from torch.utils.data._utils import worker as torch_worker
 
 from .._ring import segments
 from . import messages as m
-from .loop import SlotWriter, WorkerSpec, serve, yield_to_main
+from .. import affinity
+from .loop import SlotWriter, WorkerSpec, node_of, serve, yield_to_main
 from .pool import STATUS_CHECK_S, WorkerDied
 
 STOP_WAIT_S = 1.0  # the longest stop() waits for a busy thread
@@ -64,11 +65,12 @@ def _patch_get_worker_info() -> None:
 
 def thread_worker_main(worker_id: int, spec: WorkerSpec, attach, get, put) -> None:
     """Entry point of one worker thread; ``attach`` is the ring's mapping of a slot."""
+    affinity.apply(spec.placement)  # CPU affinity and memory policy are per thread, too
     yield_to_main()  # SCHED_BATCH applies to this thread only
     _local.info = torch_worker.WorkerInfo(
         id=worker_id, num_workers=spec.num_workers, seed=spec.base_seed + worker_id, dataset=spec.dataset
     )
-    serve(worker_id, spec, spec.dataset, SlotWriter(spec.prefix, attach), get, put, thread=True)
+    serve(worker_id, spec, spec.dataset, SlotWriter(spec.prefix, attach, node_of(spec)), get, put, thread=True)
 
 
 class _Died(NamedTuple):

@@ -1,0 +1,117 @@
+"""``fastfeed info``: the machine, this rank's placement plan and what is available, for a bug report."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+
+import torch
+
+from . import __version__, _native, config, topology
+
+_ENV = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
+
+
+def _package(module: str, dist: str) -> str | None:
+    """The installed version of an optional package, or None; never imports it."""
+    if importlib.util.find_spec(module.split(".")[0]) is None:
+        return None
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "installed"
+
+
+def _nvml() -> str:
+    try:
+        import pynvml
+    except ImportError:
+        return "not installed (pip install fastfeed[nvml])"
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:  # NVMLError_LibraryNotFound: no driver, so no GPU
+        return f"no driver ({e})"
+    try:
+        return f"driver {pynvml.nvmlSystemGetDriverVersion()}"
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _pinning() -> str:
+    if not torch.cuda.is_available():
+        return "no CUDA"
+    from . import _pinning
+
+    why_not = _pinning.enable()
+    return why_not or f"cudaHostRegister through {_pinning.runtime_path()}"
+
+
+def _shm(directory: str) -> dict:
+    try:
+        usage = shutil.disk_usage(directory)
+    except OSError as e:
+        return {"dir": directory, "error": str(e)}
+    return {"dir": directory, "total_mb": round(usage.total / 1e6), "free_mb": round(usage.free / 1e6)}
+
+
+def report() -> dict:
+    """Everything ``fastfeed info`` prints, as plain values."""
+    topo = topology.discover()
+    rank = int(os.environ.get("LOCAL_RANK") or 0)
+    world = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    device = f"cuda:{rank}" if topo.gpus or torch.cuda.is_available() else None
+    plan = topology.plan(device, local_rank=rank, local_world_size=world, num_workers=os.cpu_count() or 1,
+                         topology=topo)  # fmt: skip
+    return {
+        "fastfeed": {"version": __version__, "extension": _native.C.__file__},
+        "torch": {
+            "version": torch.__version__,
+            "cuda_build": torch.version.cuda,
+            "cuda_available": torch.cuda.is_available(),
+            "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        },
+        "topology": topology.describe(topo, plan),
+        "available": {
+            "nvml": _nvml(),
+            "pinning": _pinning(),
+            "dali": _package("nvidia.dali", "nvidia-dali-cuda120"),
+            "kvikio": _package("kvikio", "kvikio-cu12"),
+        },
+        "shm": [_shm("/dev/shm")] + ([_shm(config.shm_dir())] if config.shm_dir() != "/dev/shm" else []),
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("FASTFEED_") or k in _ENV},
+    }
+
+
+def render(info: dict) -> str:
+    """The report as text a user can paste into a bug report."""
+    t, topo = info["torch"], info["topology"]
+    lines = [
+        f"fastfeed {info['fastfeed']['version']}  (extension: {info['fastfeed']['extension']})",
+        f"torch {t['version']}  CUDA build {t['cuda_build']}  available {t['cuda_available']}  "
+        f"devices {t['cuda_devices']}",
+        f"CPUs allowed: {topo['allowed_cpus']}  ({topo['cores']} cores x {topo['threads_per_core']} threads)  "
+        f"topology from {topo['source']}",
+    ]
+    for node in topo["nodes"]:
+        mem = f"{node['mem_total_kb'] // 1024} MiB" if node["mem_total_kb"] else "memory ?"
+        lines.append(f"  node {node['id']}: CPUs {node['cpus']}  {mem}  distances {node['distances']}")
+    for i, gpu in enumerate(topo["gpus"]):
+        lines.append(f"  GPU {i} {gpu['bus_id']} {gpu['name'] or ''}: node {gpu['numa_node']}  "
+                     f"local CPUs {gpu['local_cpus']}")  # fmt: skip
+    if not topo["gpus"]:
+        lines.append("  no NVIDIA GPU found")
+    p = topo.get("plan")
+    if p:
+        lines.append(f"plan for local rank {p['local_rank']} of {p['local_world_size']} (GPU {p['gpu']}): "
+                     f"node {p['node']}, workers on CPUs {p['worker_cpus'] or '(unchanged)'}, main process on "
+                     f"{p['main_cpus'] or '(unchanged)'}, memory policy {p['mempolicy']}")  # fmt: skip
+        lines.append(f"  why: {p['note']}")
+    lines.append("available: " + ", ".join(f"{k} {v or 'no'}" for k, v in info["available"].items()))
+    for shm in info["shm"]:
+        lines.append(f"shared memory {shm['dir']}: " + (shm.get("error") or
+                     f"{shm['free_mb']} MB free of {shm['total_mb']} MB"))  # fmt: skip
+    if info["env"]:
+        lines.append("env: " + " ".join(f"{k}={v}" for k, v in info["env"].items()))
+    return "\n".join(lines)
