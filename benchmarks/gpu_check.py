@@ -117,8 +117,8 @@ class Step:
         return (time.perf_counter() - t0) * 1e3 / steps
 
 
-def stall_fraction(step: Step, it, steps: int) -> float:
-    """1 - (time the steps alone need) / (time they took fed by the loader)."""
+def fed_steps_s(step: Step, it, steps: int) -> float:
+    """Seconds that ``steps`` steps take, each fed a batch from ``it`` (after 5 untimed)."""
     for _ in range(5):
         step(next(it))
     torch.cuda.synchronize()
@@ -126,7 +126,12 @@ def stall_fraction(step: Step, it, steps: int) -> float:
     for _ in range(steps):
         step(next(it))
     torch.cuda.synchronize()
-    return max(0.0, 1.0 - steps * step.ms / ((time.perf_counter() - t0) * 1e3))
+    return time.perf_counter() - t0
+
+
+def stall_fraction(step: Step, it, steps: int) -> float:
+    """1 - (time the steps alone need) / (time they took fed by the loader)."""
+    return max(0.0, 1.0 - steps * step.ms / (fed_steps_s(step, it, steps) * 1e3))
 
 
 def check_pinned(nw: int, batches: int) -> str:
@@ -151,15 +156,7 @@ def check_overlap(step: Step, nw: int, batches: int, device) -> str:
     dataset = _transport_dataset(batches + 20)
     copy_s = batches * BATCH_BYTES / 1e9 / max(1e-9, loader_h2d(lambda: fastfeed_iter(dataset, nw, device), batches))
     compute_s = batches * step.ms / 1e3
-    it = fastfeed_iter(_transport_dataset(batches + 20), nw, device)
-    for _ in range(5):
-        step(next(it))
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(batches):
-        step(next(it))
-    torch.cuda.synchronize()
-    both_s = time.perf_counter() - t0
+    both_s = fed_steps_s(step, fastfeed_iter(_transport_dataset(batches + 20), nw, device), batches)
     hidden = (copy_s + compute_s - both_s) / min(copy_s, compute_s)
     ok = hidden > 0.5
     return (f"{'ok' if ok else 'FAIL'}: {hidden:.0%} of the shorter of copy ({copy_s:.2f} s) and compute "

@@ -24,6 +24,34 @@ class WorkerDied(RuntimeError):
     pass
 
 
+class Clock:
+    """The deadline (``timeout``) and the hang dump of one wait for a worker's message."""
+
+    def __init__(self, timeout: float | None, dump_s: float, dump):
+        self.start = time.monotonic()
+        self.deadline = None if not timeout else self.start + timeout
+        self.dump_at = None if not dump_s else self.start + dump_s
+        self.dump = dump  # dump(seconds waited): print the workers' stacks
+        self.timeout = timeout
+
+    def next_wait(self) -> float:
+        """Seconds to block before looking again; dumps the stacks once, when it is time."""
+        now = time.monotonic()
+        wait = STATUS_CHECK_S if self.deadline is None else max(0.0, self.deadline - now)
+        if self.dump_at is not None:
+            if now >= self.dump_at:
+                self.dump(now - self.start)
+                self.dump_at = None
+            else:
+                wait = min(wait, self.dump_at - now)
+        return wait
+
+    def check(self) -> None:
+        """Raise torch's timeout error once the deadline has passed."""
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            raise RuntimeError(f"DataLoader timed out after {self.timeout} seconds")
+
+
 class Worker:
     __slots__ = ("worker_id", "process", "tasks", "results", "poller")
 
@@ -103,27 +131,16 @@ class Pool:
         return self._wait(self._any, self._fd_owner.__getitem__, timeout)
 
     def _wait(self, poller, owner, timeout):
-        start = time.monotonic()
-        deadline = None if not timeout else start + timeout
-        dump_at = None if not self.hang_dump_s else start + self.hang_dump_s
+        clock = Clock(timeout, self.hang_dump_s, self.dump_stacks)
         while True:
-            now = time.monotonic()
-            wait = STATUS_CHECK_S if deadline is None else max(0.0, deadline - now)
-            if dump_at is not None:
-                if now >= dump_at:
-                    self.dump_stacks(now - start)
-                    dump_at = None
-                else:
-                    wait = min(wait, dump_at - now)
-            events = poller.poll(wait * 1000)
+            events = poller.poll(clock.next_wait() * 1000)
             for fd, _ in events:
                 w = owner(fd)
                 if fd == w.results.fileno():
                     return self._read(w)  # data first: a worker may exit right after its last reply
             if events:  # only a sentinel fired: that process exited
                 raise self.death(owner(events[0][0]))
-            if deadline is not None and time.monotonic() >= deadline:
-                raise RuntimeError(f"DataLoader timed out after {timeout} seconds")
+            clock.check()
 
     def dump_stacks(self, waited: float) -> None:
         """Have every worker print its Python stack to stderr (a hung loader, diagnosed)."""

@@ -31,7 +31,7 @@ from .._ring import segments
 from . import messages as m
 from .. import affinity
 from .loop import SlotWriter, WorkerSpec, node_of, serve, yield_to_main
-from .pool import STATUS_CHECK_S, WorkerDied
+from .pool import STATUS_CHECK_S, Clock, WorkerDied
 
 STOP_WAIT_S = 1.0  # the longest stop() waits for a busy thread
 _local = threading.local()
@@ -146,25 +146,14 @@ class ThreadPool:
         return None
 
     def _wait(self, want, timeout):
-        start = time.monotonic()
-        deadline = None if not timeout else start + timeout
-        dump_at = None if not self.hang_dump_s else start + self.hang_dump_s
+        clock = Clock(timeout, self.hang_dump_s, self.dump_stacks)
         while True:
             got = self._held_reply(want)
             if got is None:
-                now = time.monotonic()
-                wait = STATUS_CHECK_S if deadline is None else max(0.0, deadline - now)
-                if dump_at is not None:
-                    if now >= dump_at:
-                        self.dump_stacks(now - start)
-                        dump_at = None
-                    else:
-                        wait = min(wait, dump_at - now)
                 try:
-                    got = self._replies.get(timeout=wait)
+                    got = self._replies.get(timeout=clock.next_wait())
                 except queue.Empty:
-                    if deadline is not None and time.monotonic() >= deadline:
-                        raise RuntimeError(f"DataLoader timed out after {timeout} seconds") from None
+                    clock.check()
                     continue
                 if want is not None and got[0] != want:
                     self._held[got[0]].append(got[1])
