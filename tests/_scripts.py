@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -31,6 +32,18 @@ def start_script(body, **env_vars):
         # Its own process group, so a group-wide SIGINT reaches it and its workers only.
         start_new_session=True,
     )
+
+
+def read_stderr_until(proc, text, count, seconds=20.0):
+    """What the script wrote to stderr until ``text`` appeared ``count`` times (or it stopped, or time ran out)."""
+    deadline = time.monotonic() + seconds
+    err = ""
+    while time.monotonic() < deadline and err.count(text) < count:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        err += line
+    return err
 
 
 def finish(proc, timeout):

@@ -13,7 +13,7 @@ import pytest
 import _datasets as ds
 import _leaks
 from _candidate import DataLoader
-from _scripts import finish, gone, start_script
+from _scripts import finish, gone, read_stderr_until, start_script
 
 pytestmark = pytest.mark.fastfeed_only
 
@@ -56,13 +56,7 @@ def test_a_hung_loader_dumps_every_worker_stack():
         FASTFEED_HANG_DUMP_S="1",
     )
     with proc:
-        deadline = time.monotonic() + 20
-        err = ""
-        while time.monotonic() < deadline and err.count("in __getitem__") < 2:
-            line = proc.stderr.readline()
-            if not line:
-                break
-            err += line
+        err = read_stderr_until(proc, "in __getitem__", 2)
         family = _leaks.descendants(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()

@@ -16,7 +16,7 @@ import torch.utils.data as tud
 import _datasets as ds
 import _leaks
 from _compare import assert_same, copy_batch, seed_all
-from _scripts import finish, start_script
+from _scripts import finish, read_stderr_until, start_script
 
 pytestmark = pytest.mark.fastfeed_only
 
@@ -223,13 +223,7 @@ def test_a_hung_thread_loader_dumps_the_worker_stacks():
         FASTFEED_HANG_DUMP_S="1",
     )
     with proc:
-        deadline = time.monotonic() + 20
-        err = ""
-        while time.monotonic() < deadline and err.count("in __getitem__") < 2:
-            line = proc.stderr.readline()
-            if not line:
-                break
-            err += line
+        err = read_stderr_until(proc, "in __getitem__", 2)
         proc.kill()
         proc.communicate()
     assert "fastfeed: no batch for 1 s" in err, err
