@@ -283,3 +283,15 @@ def test_image_normalize_matches_a_float_reference():
     torch.testing.assert_close(pair[0].float(), ref, atol=0.02, rtol=0.01)
     with pytest.raises(TypeError, match="expects a 4-d uint8 batch"):
         ImageNormalize(mean, std)(x.float())
+
+
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_persistent_workers_with_a_device_stage_across_an_abandoned_epoch(fake_device, worker_type):
+    """Persistent workers behind a device stage: an epoch left after 3 batches, then two whole epochs, all intact."""
+    loader = fastfeed.DataLoader(ds.PlainDataset(48), batch_size=4, num_workers=2, persistent_workers=True,
+                                 worker_type=worker_type, device="cpu", device_prefetch=2)  # fmt: skip
+    for epoch, limit in enumerate((3, None, None)):
+        got = [copy_batch(b) for _, b in zip(range(limit or 99), loader)]
+        assert len(got) == (limit or 12), epoch
+        for n, batch in enumerate(got):
+            assert_same(batch, ds.expected_plain_batch(list(range(4 * n, 4 * n + 4))))
