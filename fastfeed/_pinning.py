@@ -52,8 +52,3 @@ def enable() -> str:
         _why_not = "no CUDA runtime library was found" if path is None else C.cuda_load(path)
         _ready = not _why_not
     return _why_not
-
-
-def pin(segment) -> None:
-    """Register ``segment`` (idempotent). The runtime must have been enabled."""
-    segment.pin()
