@@ -66,11 +66,14 @@ def test_a_hung_loader_dumps_every_worker_stack():
 
 
 @pytest.mark.hang_limit(40)
-def test_ctrl_c_ends_workers_stuck_in_user_code_within_2_s():
-    """SIGINT to the main process while both workers sleep in __getitem__: KeyboardInterrupt, and every worker gone within 2 s."""
+@pytest.mark.parametrize(("worker_type", "processes"), [("process", 2), ("thread", 0)])
+def test_ctrl_c_ends_workers_stuck_in_user_code_within_2_s(worker_type, processes):
+    """SIGINT to the main process while both workers (processes or threads) sleep in __getitem__:
+    KeyboardInterrupt, and the process and every worker gone within 2 s."""
     proc = start_script(
-        """
-        it = iter(_candidate.DataLoader(ds.SlowDataset(8, delay=60), batch_size=1, num_workers=2))
+        f"""
+        it = iter(_candidate.DataLoader(ds.SlowDataset(8, delay=60), batch_size=1, num_workers=2,
+                                        worker_type={worker_type!r}))
         print("READY", flush=True)
         next(it)
         """
@@ -79,7 +82,7 @@ def test_ctrl_c_ends_workers_stuck_in_user_code_within_2_s():
         assert proc.stdout.readline().strip() == "READY"
         time.sleep(0.5)
         family = _leaks.descendants(proc.pid)
-        assert len(family) == 2
+        assert len(family) == processes
         os.kill(proc.pid, signal.SIGINT)
         start = time.monotonic()
         _, err = finish(proc, timeout=15)
