@@ -97,18 +97,18 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
             history=self._num_workers * self._prefetch_factor + held + 2,
             placement=where,
         )  # fmt: skip
-        self._threads = getattr(loader, "worker_type", "process") == "thread"
+        self._threads = loader.worker_type == "thread"
+        dump_s = config.hang_dump_s()
         if self._threads:
             ring = self._ring  # not self: the threads must not keep this iterator alive
             self._pool = ThreadPool(
-                self._num_workers, thread_worker_main, lambda wid: (wid, spec, ring.segment),
-                hang_dump_s=config.hang_dump_s(),
-            )  # fmt: skip
+                self._num_workers, thread_worker_main, lambda wid: (wid, spec, ring.segment), dump_s
+            )
         else:
             parent = os.getpid()
             self._pool = Pool(
-                context, self._num_workers, worker_main,
-                lambda wid: (wid, spec, parent, self._worker_resume(wid)), hang_dump_s=config.hang_dump_s(),
+                context, self._num_workers, worker_main, lambda wid: (wid, spec, parent, self._worker_resume(wid)),
+                dump_s,
             )  # fmt: skip
         self._shutdown = False
         _live.add(self)

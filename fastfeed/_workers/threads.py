@@ -91,7 +91,7 @@ class ThreadPool:
         self._stopped = False
         self._tasks = [queue.SimpleQueue() for _ in range(num_workers)]
         self._replies: queue.SimpleQueue = queue.SimpleQueue()  # (worker_id, message) from all
-        # Replies read while waiting for another worker's, in arrival order.
+        # Replies taken off the queue, per worker, in arrival order.
         self._held = [collections.deque() for _ in range(num_workers)]
         self.threads: list[threading.Thread] = []
         try:
@@ -127,13 +127,9 @@ class ThreadPool:
 
     def ready(self, wid: int) -> bool:
         """Whether worker ``wid`` has a reply waiting: recv would not wait."""
-        while not self._held[wid]:
-            try:
-                got_wid, msg = self._replies.get_nowait()
-            except queue.Empty:
-                return False
-            self._held[got_wid].append(msg)
-        return True
+        while not self._held[wid] and self._pull(0):
+            pass
+        return bool(self._held[wid])
 
     def recv_any(self, timeout: float | None):
         """The next message from whichever worker answers first."""
@@ -145,19 +141,23 @@ class ThreadPool:
                 return wid, self._held[wid].popleft()
         return None
 
+    def _pull(self, timeout: float) -> bool:
+        """Move the next reply (waiting up to ``timeout`` seconds) to its worker's held replies."""
+        try:
+            wid, msg = self._replies.get(timeout=timeout) if timeout > 0 else self._replies.get_nowait()
+        except queue.Empty:
+            return False
+        self._held[wid].append(msg)
+        return True
+
     def _wait(self, want, timeout):
         clock = Clock(timeout, self.hang_dump_s, self.dump_stacks)
         while True:
             got = self._held_reply(want)
             if got is None:
-                try:
-                    got = self._replies.get(timeout=clock.next_wait())
-                except queue.Empty:
+                if not self._pull(clock.next_wait()):
                     clock.check()
-                    continue
-                if want is not None and got[0] != want:
-                    self._held[got[0]].append(got[1])
-                    continue
+                continue
             wid, msg = got
             if type(msg) is _Died:
                 raise WorkerDied(
