@@ -12,6 +12,7 @@ that was allocated and touched once, and the user receives views of it.
 from __future__ import annotations
 
 import weakref
+from typing import TypeVar
 
 import torch
 import torch.utils.data
@@ -24,8 +25,10 @@ from ._single import SingleProcessIter
 STATE_VERSION = 1
 WORKER_TYPES = ("process", "thread")
 
+_T_co = TypeVar("_T_co", covariant=True)  # what the loader yields, as torch's DataLoader[_T_co]
 
-class DataLoader(torch.utils.data.DataLoader):
+
+class DataLoader(torch.utils.data.DataLoader[_T_co]):
     """A drop-in replacement for ``torch.utils.data.DataLoader``.
 
     Args:

@@ -12,10 +12,20 @@ import select
 import signal
 import sys
 import time
+import warnings
+from pickle import PicklingError
 
 from . import messages as m
 
 STATUS_CHECK_S = 5.0  # torch's MP_STATUS_CHECK_INTERVAL
+# torch's warning, word for word, when a worker's arguments fail to pickle (spawn, forkserver).
+PICKLE_WARNING = (
+    "Got pickle error when attempting to start a worker Process. "
+    "This might be because the worker Process arguments are not picklable. "
+    "Python 3.14+ changed the multiprocessing start method in non-Mac POSIX platforms "
+    "to 'forkserver', which requires the worker Process arguments to be picklable. "
+    "You can also try multiprocessing.set_start_method('fork')."
+)
 DUMP_SIGNAL = signal.SIGUSR1  # workers print their stacks on it (faulthandler)
 _READY = select.POLLIN | select.POLLHUP | select.POLLERR
 
@@ -86,9 +96,13 @@ class Pool:
         p = context.Process(target=target, args=(*args, task_r, res_w), daemon=True)
         try:
             p.start()
-        except BaseException:
+        except BaseException as error:
             task_w.close()
             res_r.close()
+            if isinstance(error, (TypeError, AttributeError, PicklingError)):
+                # As torch: warn, then raise. Its warning names the line of DataLoader._get_iterator
+                # that makes the iterator; so does this one (_start < Pool < iterator < _get_iterator).
+                warnings.warn(PICKLE_WARNING, stacklevel=4)
             raise
         finally:
             # The child holds its own ends now. Closing ours means a dead
