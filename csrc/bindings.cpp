@@ -7,6 +7,7 @@
 
 #include "copy.h"
 #include "cuda.h"
+#include "freelist.h"
 #include "numa.h"
 #include "segment.h"
 
@@ -89,6 +90,21 @@ void register_copy(py::module_& m) {
       py::arg("dst"), py::arg("srcs"));
 }
 
+void register_freelist(py::module_& m) {
+  // Addresses, not buffers: the caller (fastfeed/_ring/control.py) keeps the mapping alive
+  // and passes the bitmap's address and its number of 64-bit words.
+  m.def(
+      "claim_bit",
+      [](std::uintptr_t words, std::size_t nwords) {
+        return claim_bit(reinterpret_cast<std::uint64_t*>(words), nwords);
+      },
+      py::arg("words"), py::arg("nwords"));
+  m.def(
+      "release_bit",
+      [](std::uintptr_t words, std::size_t bit) { release_bit(reinterpret_cast<std::uint64_t*>(words), bit); },
+      py::arg("words"), py::arg("bit"));
+}
+
 }  // namespace
 }  // namespace fastfeed
 
@@ -98,6 +114,7 @@ PYBIND11_MODULE(_C, m) {
   fastfeed::register_segment(m);
   fastfeed::register_lease(m);
   fastfeed::register_copy(m);
+  fastfeed::register_freelist(m);
   fastfeed::register_cuda(m);
   fastfeed::register_numa(m);
 }

@@ -24,8 +24,7 @@ from torch.utils.data._utils.pin_memory import pin_memory
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_init_fn
 
 from . import _pinning, _state, affinity, config
-from ._ring import layout, segments
-from ._ring.ring import Ring
+from ._ring import layout
 from ._workers import messages as m
 from ._workers.loop import WorkerSpec, worker_main
 from ._workers.pool import STATUS_CHECK_S, Pool, WorkerDied
@@ -35,14 +34,13 @@ from ._workers.threads import ThreadPool, thread_worker_main
 class _Task:
     """One batch's task, from the moment its index is taken until it is yielded."""
 
-    __slots__ = ("wid", "index", "slot", "sent", "msg")
+    __slots__ = ("wid", "index", "msg", "memory")
 
     def __init__(self, wid: int, index):
         self.wid = wid
         self.index = index
-        self.slot = None  # the ring slot lent to it, once sent
-        self.sent = False
         self.msg = None  # the worker's answer, once received
+        self.memory = None  # where its batch lies (Ring.receive), once received
 
 
 # Iterators whose workers must be stopped, and segments unlinked, at exit.
@@ -56,8 +54,8 @@ def _shutdown_all() -> None:
 
 
 class RingDataLoaderIter(_BaseDataLoaderIter):
-    def __init__(self, loader, resume: dict | None = None, stage=None) -> None:
-        """``stage``: the device stage's plan (``loader._ff_stage``), or None."""
+    def __init__(self, loader, ring_for, resume: dict | None = None, stage=None) -> None:
+        """``ring_for(quiet, pin, numa_node)``: the loader's ring (see ``Ring``); ``stage``: the device stage's plan."""
         self._shutdown = True  # until workers exist, there is nothing to shut down
         self._generator = loader.generator
         self._resume = resume  # a DataLoader.state_dict() to start from, or None
@@ -75,24 +73,25 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
             init_fn = functools.partial(_sharding_worker_init_fn, init_fn, self._world_size, self._rank)
         use_slot_collate = self._collate_fn is default_collate
 
-        # One slot per task in flight: the same batches torch keeps alive, so
-        # memory stays at torch's. The batch being handed over borrows the slot
-        # of the next task until the user lets go of the previous batch.
-        # A device stage holds `held` more batches (copies ahead, and one whose copy may
-        # still be running): slots of their own, so the workers' window stays whole.
+        # Tasks never wait for a slot: workers claim one only when they write, so the
+        # ring holds the batches that exist, as torch's memory does. A loop that keeps
+        # no batch needs one per task in flight, the `held` a device stage keeps (copies
+        # ahead, and one whose copy may still be running) and the two a `for` loop
+        # holds while it asks for the next.
         held = stage.ahead + 1 if stage else 0
         self._staged = stage is not None
         self._yield_log = collections.deque(maxlen=held)  # (worker, last tasks) before each yield
         cuda_slots = stage.device.type == "cuda" if stage else self._pin_memory_device == "cuda"
         # Workers, their memory and the ring go on the GPU's NUMA node (loader.numa_plan).
         where = affinity.placement(loader.numa_plan)
-        self._ring = Ring(
-            self._num_workers * self._prefetch_factor + held, pin=self._pin_slots(cuda_slots),
-            numa_node=None if where is None else where.node,
+        self._ring = ring_for(
+            self._num_workers * self._prefetch_factor + held + 2, self._pin_slots(cuda_slots),
+            None if where is None else where.node,
         )  # fmt: skip
         spec = WorkerSpec(
             self._num_workers, self._dataset_kind, self._dataset, self._auto_collation, self._collate_fn,
             use_slot_collate, self._drop_last, self._base_seed, init_fn, self._shared_seed, self._ring.prefix,
+            self._ring.control.name,
             # States of the tasks in flight, those a device stage holds, and one more.
             history=self._num_workers * self._prefetch_factor + held + 2,
             placement=where,
@@ -102,14 +101,19 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         if self._threads:
             ring = self._ring  # not self: the threads must not keep this iterator alive
             self._pool = ThreadPool(
-                self._num_workers, thread_worker_main, lambda wid: (wid, spec, ring.segment), dump_s
-            )
+                self._num_workers, thread_worker_main,
+                lambda wid: (wid, spec, ring.control, lambda claimed: ring.segment(claimed.slot_id)), dump_s,
+            )  # fmt: skip
         else:
             parent = os.getpid()
-            self._pool = Pool(
-                context, self._num_workers, worker_main, lambda wid: (wid, spec, parent, self._worker_resume(wid)),
-                dump_s,
-            )  # fmt: skip
+            try:
+                self._pool = Pool(
+                    context, self._num_workers, worker_main,
+                    lambda wid: (wid, spec, parent, self._worker_resume(wid)), dump_s,
+                )  # fmt: skip
+            except BaseException:
+                self._ring.in_use = False  # the workers that started are stopped: none writes into it
+                raise
         self._shutdown = False
         _live.add(self)
         self._reset(loader, first_iter=True)
@@ -138,9 +142,6 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
     def _reset(self, loader, first_iter=False) -> None:
         super()._reset(loader, first_iter)
         if not first_iter:
-            # Workers must see every task torch's would have, so that their
-            # random streams carry into the next epoch exactly as torch's do.
-            self._send_ready(force=True)
             for wid in range(self._num_workers):
                 self._pool.send(wid, m.Resume(self._shared_seed))
             for wid in range(self._num_workers):
@@ -149,7 +150,6 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         self._send_idx = 0
         self._rcvd_idx = 0
         self._task_info: dict[int, _Task] = {}  # tasks not yet yielded, by batch index
-        self._unsent: collections.deque[int] = collections.deque()  # waiting for a free slot
         self._tasks_outstanding = 0
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
@@ -251,30 +251,28 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
             msg = self._pool.recv(wid, None)
             if type(msg) is m.ResumeAck:
                 return
-            if type(msg) is m.Done and msg.overflow:
-                segments.unlink(msg.overflow)
+            if type(msg) is m.Done:
+                self._ring.release(self._ring.receive(msg.slot_id, msg.made))
 
     def _forget_tasks(self) -> None:
         """Settle the tasks that will never be yielded."""
         for task in self._task_info.values():
             self._discard(task)
         self._task_info = {}
-        self._unsent.clear()
 
     def _discard(self, task: _Task) -> None:
-        """Settle a task whose batch is not returned: its slot or segment goes back."""
-        if task.sent and task.slot is None:
-            self._ring.pending -= 1
-        self._ring.release(task.slot)
-        if type(task.msg) is m.Done and task.msg.overflow:
-            segments.unlink(task.msg.overflow)
+        """Settle a task whose batch is not returned: its slot goes back."""
+        if task.memory is not None:
+            self._ring.release(task.memory)
+            task.memory = None
 
     def _try_put_index(self) -> None:
         """torch's: take the next index and assign it a worker, at the same moments torch does.
 
         Consuming the sampler and choosing the worker here, exactly when torch
         does, keeps the batches, their workers and any random draws the sampler
-        makes identical to torch's. Only the sending may wait for a free slot.
+        makes identical to torch's. Nothing waits for a slot: the worker claims
+        one when it writes.
         """
         max_tasks = self._prefetch_factor * self._num_workers
         try:
@@ -290,33 +288,11 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
                     break
         else:
             return  # as torch: no worker can take it, and the index is dropped
+        self._pool.send(wid, m.Task(self._send_idx, index))
         self._task_info[self._send_idx] = _Task(wid, index)
-        self._unsent.append(self._send_idx)
         self._workers_num_tasks[wid] += 1
         self._tasks_outstanding += 1
         self._send_idx += 1
-        self._send_ready()
-
-    def _send_ready(self, force: bool = False) -> None:
-        """Send waiting tasks in order, each with a free slot (with ``force``, without one)."""
-        while self._unsent:
-            idx = self._unsent[0]
-            task = self._task_info.get(idx)
-            if task is None or not self._workers_status[task.wid]:
-                self._unsent.popleft()  # its worker is done: torch's worker would ignore it
-                continue
-            slot = self._ring.acquire()
-            if slot is None and self._ring.sized and not force:
-                return
-            self._unsent.popleft()
-            self._send(idx, task, slot)
-
-    def _send(self, idx: int, task: _Task, slot) -> None:
-        if slot is None:
-            # The worker writes into a segment of its own; the ring may adopt it.
-            self._ring.pending += 1
-        task.slot, task.sent = slot, True
-        self._pool.send(task.wid, m.Task(idx, task.index, None if slot is None else slot.ref()))
 
     # -- receiving ----------------------------------------------------------------
 
@@ -338,7 +314,6 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
 
     def _next_batch(self):
         while True:
-            self._send_ready()  # slots freed since the last call (batches the user let go)
             while self._rcvd_idx < self._send_idx:
                 task = self._task_info.get(self._rcvd_idx)
                 if task:
@@ -357,12 +332,6 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
                 del self._task_info[self._rcvd_idx]
                 self._rcvd_idx += 1
                 return self._process(task)
-            if not task.sent:
-                # The batch we need waits for a slot, and the user holds every
-                # one: send it anyway, and let its segment join the ring.
-                self._ring.grow()
-                self._unsent.popleft()
-                self._send(self._rcvd_idx, task, None)
 
             msg = self._get_data(task.wid)
             got = self._receive(msg)
@@ -382,6 +351,8 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         self._tasks_outstanding -= 1
         got = self._task_info[msg.idx]
         got.msg = msg
+        if type(msg) is m.Done and msg.nbytes:
+            got.memory = self._ring.receive(msg.slot_id, msg.made)
         if type(msg) is m.IterEnd:
             self._workers_status[msg.worker_id] = False
             self._last_task[msg.worker_id] = msg.idx
@@ -397,8 +368,8 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         if self._shutdown or not self._in_order:
             return False
         task = self._task_info.get(self._rcvd_idx)
-        if task is None or not task.sent:
-            return False  # settling skipped tasks, or sending this one, might wait: not now
+        if task is None:
+            return False  # settling skipped tasks might wait: not now
         return task.msg is not None or self._pool.ready(task.wid)
 
     def end_epoch(self) -> None:
@@ -418,40 +389,19 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         self._workers_num_tasks[task.wid] -= 1
         before = list(self._last_task) if self._staged else None
         self._last_task[task.wid] = msg.idx
-        if type(msg) is m.Done:
-            self._ring.note_batch(msg.nbytes)  # first, so the next task can get a slot
         self._try_put_index()
         if type(msg) is m.Failed:
             self._discard(task)
             msg.error.reraise()
         if before is not None:  # what state_dict() needs while a device stage holds this batch
             self._yield_log.append((task.wid, before))
-        data = self._materialize(msg, task.slot)
+        memory, task.memory = task.memory, None
+        data = layout.unpack(msg.payload, msg.leaves, None if memory is None else self._ring.lend(memory))
         if self._pin_memory:
             # With an accelerator, pin as torch does (a copy, in this thread);
             # registering the slots themselves is the pinned-staging stage's job.
             data = pin_memory(data, self._pin_memory_device)
         return data
-
-    def _materialize(self, msg: m.Done, slot):
-        if slot is None:
-            self._ring.pending -= 1
-        base = None
-        if msg.overflow:
-            # Mapped lazily: a one-off batch is read at most once, page by page.
-            seg = segments.attach(msg.overflow, populate=False)
-            adopted = self._ring.adopt(seg) if slot is None else None
-            if adopted is not None:
-                base = self._ring.lend(adopted)
-            else:
-                segments.unlink(msg.overflow)  # mapped now; the name is no longer needed
-                base = torch.frombuffer(self._ring.pinned(seg), dtype=torch.uint8)
-            self._ring.release(slot)
-        elif msg.nbytes:
-            base = self._ring.lend(slot)
-        else:
-            self._ring.release(slot)
-        return layout.unpack(msg.payload, msg.leaves, base)
 
     # -- shutdown -------------------------------------------------------------------
 
@@ -464,7 +414,11 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
             self._pool.stop(grace)
         finally:
             self._forget_tasks()
-            self._ring.close()
+            if self._pool.all_gone:  # nothing writes into the ring now: the next epoch may have it
+                self._ring.recover()
+                self._ring.in_use = False
+            else:
+                self._ring.close()
 
     def __del__(self) -> None:
         self._shutdown_workers()

@@ -20,6 +20,7 @@ from torch.utils.data import IterDataPipe, MapDataPipe
 
 from . import _state, affinity, transfer
 from ._iterator import RingDataLoaderIter
+from ._ring.ring import Ring
 from ._single import SingleProcessIter
 
 STATE_VERSION = 1
@@ -95,6 +96,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     _ff_copier = None  # the device stage's streams, made once
     _ff_planned = False  # numa_plan was made
     _ff_resume = None  # the state the next iterator starts from
+    _ff_ring = None  # the ring of batch slots, kept across epochs
 
     def _get_iterator(self):
         resume, self._ff_resume = self._ff_resume, None
@@ -104,7 +106,21 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         if not self._ff_planned:
             self._ff_planned = True
             self.numa_plan = affinity.plan_for(self.numa, self._cuda_target(), self.num_workers)
-        return RingDataLoaderIter(self, resume, self._ff_stage)
+        return RingDataLoaderIter(self, self._ring_for, resume, self._ff_stage)
+
+    def _ring_for(self, quiet: int, pin: bool, numa_node: int | None) -> Ring:
+        """The ring of batch slots for a new iterator: the last one, unless another iterator still writes into it.
+
+        Kept from one epoch to the next, so a new epoch's workers (``persistent_workers=False``
+        starts new ones) write into memory that is already allocated, touched, pinned and
+        on its NUMA node. It goes when the loader does.
+        """
+        ring = self._ff_ring
+        if ring is None or not ring.fits(pin, numa_node):
+            ring = self._ff_ring = Ring(quiet, pin, numa_node)
+        ring.quiet = quiet
+        ring.in_use = True
+        return ring
 
     def _cuda_target(self):
         """The CUDA device batches are headed for, if any: its NUMA node is where workers belong."""

@@ -5,6 +5,7 @@ reference. Samples draw from torch.rand, random.random and np.random, so any
 difference in per-worker seeding shows up as different batches.
 """
 
+import os
 import random
 import time
 from collections import namedtuple
@@ -364,3 +365,54 @@ class UnevenIterable(ShardedIterable):
             if info is not None and info.id == 1 and count == 3:
                 return
             yield sample
+
+
+class StragglerMap(tud.Dataset):
+    """Item i is (worker id, i); item `slow` takes `delay` seconds: its worker straggles."""
+
+    def __init__(self, n=10, slow=0, delay=1.0):
+        self.n, self.slow, self.delay = n, slow, delay
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.slow:
+            time.sleep(self.delay)
+        return (tud.get_worker_info().id, i)
+
+
+class StragglerIterable(tud.IterableDataset):
+    """Worker w yields w*per .. w*per+per-1; item `slow` takes `delay` seconds."""
+
+    def __init__(self, per=5, slow=5, delay=1.0):
+        self.per, self.slow, self.delay = per, slow, delay
+
+    def __iter__(self):
+        wid = tud.get_worker_info().id
+        for i in range(wid * self.per, (wid + 1) * self.per):
+            if i == self.slow:
+                time.sleep(self.delay)
+            yield i
+
+
+def slow_on_zero_collate(batch):
+    """torch's default collate, after a 1 s pause for the batch holding item 0 (a straggling collate)."""
+    if any(index == 0 for _, index in batch):
+        time.sleep(1.0)
+    return tud.default_collate(batch)
+
+
+class StartLog(tud.Dataset):
+    """Fetching item i creates the file `i` in `directory` first, then takes `delay` seconds."""
+
+    def __init__(self, directory, n=16, delay=0.05):
+        self.directory, self.n, self.delay = directory, n, delay
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        open(os.path.join(self.directory, str(i)), "w").close()
+        time.sleep(self.delay)
+        return torch.tensor([i])

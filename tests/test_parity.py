@@ -9,6 +9,8 @@ they arrive, the way a training loop uses them, so the ring is reused rather tha
 import collections
 import itertools
 import multiprocessing
+import os
+import time
 import traceback
 import warnings
 
@@ -366,3 +368,87 @@ def test_too_many_workers_warns_like_torch():
     ref = _outcome(tud.DataLoader, dataset, kwargs, lambda loader: next(iter(loader)))
     assert ref[0] is None and len(ref[1]) == 2 and ref[1][0][0] is UserWarning
     assert _outcome(_candidate.DataLoader, dataset, kwargs, lambda loader: next(iter(loader))) == ref
+
+
+def _flat(epoch):
+    """An epoch of (worker id, index) or index batches of size 1, as plain lists."""
+    if isinstance(epoch[0], torch.Tensor):
+        return [int(b) for b in epoch], None
+    return [int(b[1]) for b in epoch], [int(b[0]) for b in epoch]
+
+
+@pytest.mark.hang_limit(90)
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_out_of_order_does_not_wait_for_a_straggling_map_worker(parity, context):
+    """in_order=False: while worker 0 sleeps on item 0, worker 1 takes every next task and its batches come first, as torch's."""
+    options = dict(num_workers=2, prefetch_factor=2, in_order=False, multiprocessing_context=context)
+    ref = parity(lambda: (ds.StragglerMap(10, slow=0), options))
+    assert _flat(ref[0]) == ([1, 3, 4, 5, 6, 7, 8, 9, 0, 2], [1, 1, 1, 1, 1, 1, 1, 1, 0, 0])
+
+
+@pytest.mark.hang_limit(90)
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_out_of_order_does_not_wait_for_a_straggling_iterable_worker(parity, context):
+    """in_order=False: an iterable worker stuck on item 5 lets the other worker's items all come first, as torch's."""
+    options = dict(num_workers=2, in_order=False, multiprocessing_context=context)
+    ref = parity(lambda: (ds.StragglerIterable(5, slow=5), options))
+    assert _flat(ref[0])[0] == list(range(10))
+
+
+@pytest.mark.hang_limit(60)
+def test_out_of_order_does_not_wait_for_a_straggling_collate(parity):
+    """in_order=False: a collate_fn that stalls on item 0 holds back only its own worker, as torch's."""
+    options = dict(in_order=False, collate_fn=ds.slow_on_zero_collate, **workers(2))
+    ref = parity(lambda: (ds.StragglerMap(10, slow=-1), options))
+    assert _flat(ref[0]) == ([1, 3, 4, 5, 6, 7, 8, 9, 0, 2], [1, 1, 1, 1, 1, 1, 1, 1, 0, 0])
+
+
+@pytest.mark.hang_limit(90)
+@pytest.mark.parametrize("prefetch_factor", [1, 2])
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_tasks_in_flight_do_not_shrink_while_the_consumer_holds_a_batch(tmp_path, context, prefetch_factor):
+    """While the consumer holds batch 0, workers start num_workers*prefetch_factor+1 items, exactly as torch's do."""
+
+    def started(cls, name):
+        directory = tmp_path / name
+        directory.mkdir()
+        loader = cls(ds.StartLog(str(directory), 16, delay=0.05), batch_size=1, num_workers=2,
+                     prefetch_factor=prefetch_factor, multiprocessing_context=context)  # fmt: skip
+        it = iter(loader)
+        held = next(it)  # noqa: F841 - held on purpose while the workers run
+        time.sleep(1.0)  # every task sent so far is done by now
+        count = len(os.listdir(directory))
+        del held, it, loader
+        return count
+
+    ours, theirs = started(_candidate.DataLoader, "candidate"), started(tud.DataLoader, "torch")
+    assert ours == theirs == 2 * prefetch_factor + 1
+
+
+@pytest.mark.hang_limit(90)
+def test_forkserver_keeps_stragglers_and_the_in_flight_count_as_torch(tmp_path):
+    """Under forkserver too, an out-of-order straggler and a held batch leave torch's order and tasks in flight."""
+    from _scripts import finish, start_script
+
+    proc = start_script(
+        f"""
+        import torch.utils.data as tud
+        def order(cls):
+            loader = cls(ds.StragglerMap(10, slow=0), num_workers=2, in_order=False, multiprocessing_context="forkserver")
+            return [int(b[1]) for b in loader]
+        def started(cls, directory):
+            os.mkdir(directory)
+            it = iter(cls(ds.StartLog(directory, 16, delay=0.05), num_workers=2, prefetch_factor=1,
+                          multiprocessing_context="forkserver"))
+            held = next(it)
+            time.sleep(1.0)
+            return len(os.listdir(directory))
+        print(order(_candidate.DataLoader), order(tud.DataLoader))
+        print(started(_candidate.DataLoader, {str(tmp_path / "c")!r}), started(tud.DataLoader, {str(tmp_path / "t")!r}))
+        """
+    )
+    out, err = finish(proc, timeout=80)
+    assert proc.returncode == 0, err
+    orders, counts = out.splitlines()
+    assert orders == f"{[1, 3, 4, 5, 6, 7, 8, 9, 0, 2]} {[1, 3, 4, 5, 6, 7, 8, 9, 0, 2]}", out
+    assert counts == "3 3", out

@@ -96,12 +96,13 @@ def test_a_failed_registration_is_a_runtime_error_naming_cuda_s_reason(fake_cuda
     out = run(
         fake_cudart,
         """
+        from fastfeed._ring import segments
         from fastfeed._ring.ring import Ring
         ring = Ring(2, pin=True)
-        ring.note_batch(4096)
+        made = segments.create(ring.prefix, 4096)  # as a worker makes one when no slot is free
         fake.fake_fail_next(2)
         try:
-            ring.acquire()
+            ring.receive(None, made.name)
         except RuntimeError as e:
             print("ERROR", e)
         ring.close()

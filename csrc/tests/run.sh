@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds csrc/tests/test_native.cpp (with csrc/segment.cpp and csrc/copy.cpp) three ways and
+# Builds csrc/tests/test_native.cpp (with csrc/segment.cpp, copy.cpp, cuda.cpp and freelist.cpp) three ways and
 # runs each build: ASan+UBSan, TSan, and a plain -O2 -Werror build. Exits non-zero if any
 # build or run fails; the summary at the end says which.
 #
@@ -13,7 +13,7 @@ set -u -o pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 csrc=$(dirname "$here")
-sources=("$csrc/segment.cpp" "$csrc/copy.cpp" "$csrc/cuda.cpp" "$here/test_native.cpp")
+sources=("$csrc/segment.cpp" "$csrc/copy.cpp" "$csrc/cuda.cpp" "$csrc/freelist.cpp" "$here/test_native.cpp")
 libs=(-lrt -ldl -pthread)
 common=(-std=c++17 -I"$csrc")
 

@@ -1,4 +1,4 @@
-// Unit tests of fastfeed's pure C++ core (segment.cpp, copy.cpp), meant to be built with
+// Unit tests of fastfeed's pure C++ core (segment.cpp, copy.cpp, freelist.cpp), meant to be built with
 // sanitizers by csrc/tests/run.sh. No framework: CHECK counts, main prints "N passed, M failed"
 // (N and M count checks) and returns non-zero on any failure.
 //
@@ -37,6 +37,7 @@
 
 #include "../copy.h"
 #include "../cuda.h"
+#include "../freelist.h"
 #include "../segment.h"
 
 #if defined(__SANITIZE_ADDRESS__)
@@ -732,6 +733,46 @@ void test_threads() {
   CHECK_EQ(failures.load(), 0);
 }
 
+// --- free list ---------------------------------------------------------------------------
+
+void test_freelist_claims_lowest_and_empties() {
+  std::uint64_t words[2] = {0, 0};
+  CHECK_EQ(fastfeed::claim_bit(words, 2), -1L);
+  fastfeed::release_bit(words, 70);
+  fastfeed::release_bit(words, 3);
+  fastfeed::release_bit(words, 64);
+  CHECK_EQ(fastfeed::claim_bit(words, 2), 3L);
+  CHECK_EQ(fastfeed::claim_bit(words, 2), 64L);
+  CHECK_EQ(fastfeed::claim_bit(words, 2), 70L);
+  CHECK_EQ(fastfeed::claim_bit(words, 2), -1L);
+  CHECK_EQ(words[0] | words[1], std::uint64_t{0});
+}
+
+void test_freelist_threads_never_share_a_slot() {
+  // Threads claim, hold, check exclusivity and release 128 bits for a while: no bit is ever
+  // held twice, and at the end every bit is free again.
+  constexpr int kThreads = 4;
+  constexpr int kRounds = 20000;
+  constexpr std::size_t kBits = 128;
+  std::uint64_t words[kBits / 64] = {~std::uint64_t{0}, ~std::uint64_t{0}};
+  std::vector<std::atomic<int>> holders(kBits);
+  std::atomic<int> doubled{0};
+  auto worker = [&]() {
+    for (int i = 0; i < kRounds; ++i) {
+      long bit = fastfeed::claim_bit(words, kBits / 64);
+      if (bit < 0) continue;
+      if (holders[static_cast<std::size_t>(bit)].fetch_add(1) != 0) doubled.fetch_add(1);
+      holders[static_cast<std::size_t>(bit)].fetch_sub(1);
+      fastfeed::release_bit(words, static_cast<std::size_t>(bit));
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) threads.emplace_back(worker);
+  for (auto& th : threads) th.join();
+  CHECK_EQ(doubled.load(), 0);
+  CHECK_EQ(words[0] & words[1], ~std::uint64_t{0});
+}
+
 // --- final sweep ---------------------------------------------------------------------------
 
 void test_every_name_cleaned_up() {
@@ -767,6 +808,8 @@ int main() {
       {"gather_matrix", test_gather_matrix},
       {"gather_into_segment", test_gather_into_segment},
       {"threads", test_threads},
+      {"freelist_claims_lowest_and_empties", test_freelist_claims_lowest_and_empties},
+      {"freelist_threads_never_share_a_slot", test_freelist_threads_never_share_a_slot},
       {"every_name_cleaned_up", test_every_name_cleaned_up},
   };
   for (const Test& t : tests) {

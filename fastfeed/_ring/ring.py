@@ -1,26 +1,29 @@
-"""The ring: a pool of reusable shared-memory slots owned by the main process.
+"""The ring: reusable shared-memory slots, owned by the main process, claimed by workers.
 
-A slot is lent to one task at a time, and a task is only sent when a slot is
-free, so the free slots are the prefetch window. The slot comes back when the
-last tensor viewing it dies (its ``Lease`` is destroyed), or at once when the
-task did not use it. Until the first batch is seen, tasks go out without a
-slot and each worker writes into a segment of its own making; those segments
-become the first slots (so starting costs no extra memory or first touch).
-A batch that outgrew its slot goes to such a one-off segment too, and later
-slots grow.
+Tasks never wait for a slot. A worker takes a free slot from the ring's shared free
+list (``control.py``) only when it has a batch to write, so the ring holds as many
+slots as batches really exist at once (in flight, plus the ones the user holds), and
+a worker stuck on a slow sample holds one slot, not the others' window. When no slot
+is free, or the one claimed is too small, the worker writes into a segment of its own
+making; the ring adopts that segment as a new slot (or as the larger replacement of
+the small one). A slot is freed when the last tensor viewing it dies (its ``Lease``
+is destroyed), or at once when its batch is not returned.
+
+The ring belongs to the DataLoader, not to one epoch's iterator: the next epoch's
+workers write into slots that are already allocated, touched, pinned and on the
+right NUMA node. It is released when the loader is.
 """
 
 from __future__ import annotations
 
-import collections
 import warnings
 import weakref
 
 import torch
 
 from .._native import C
-from .._workers.messages import SlotRef
 from . import segments
+from .control import MAX_SLOTS, Control
 
 
 class RingGrowthWarning(UserWarning):
@@ -34,25 +37,23 @@ class Slot:
         self.slot_id = slot_id
         self.segment = segment
 
-    def ref(self) -> SlotRef:
-        return SlotRef(self.slot_id, self.segment.name, self.segment.size)
-
 
 _reclaimed = False
 
 
 class Ring:
-    """Slots, their free list, and growth.
+    """Slots, their shared free list, and growth.
 
     Args:
-        capacity: slots to keep before growing (the caller sizes it from the
-            prefetch window).
+        quiet: slots a loop needs when it keeps no batch (tasks in flight, batches a
+            device stage holds, and the two a ``for`` loop holds while it asks for the
+            next); past that, batches are being kept, and the ring says so once.
         pin: register every segment the ring maps with CUDA (cudaHostRegister), once;
             the CUDA runtime must be loaded (``fastfeed._pinning.enable``).
-        numa_node: bind the ring's memory to this node before it is first touched.
+        numa_node: the node the ring's memory belongs on (workers bind what they create).
     """
 
-    def __init__(self, capacity: int, pin: bool = False, numa_node: int | None = None):
+    def __init__(self, quiet: int, pin: bool = False, numa_node: int | None = None):
         global _reclaimed
         if not _reclaimed:
             # Once per process: segments of fastfeed processes that were killed
@@ -60,65 +61,60 @@ class Ring:
             _reclaimed = True
             segments.reclaim()
         self.prefix = segments.new_prefix()
-        self.capacity = capacity
-        self.pin = pin
-        self.numa_node = numa_node
-        # A training loop holds the previous batch while it asks for the next,
-        # which may take one slot beyond the window; past that, batches are
-        # being kept.
-        self._quiet_capacity = capacity + 1
-        self.slot_size = 0  # unknown until the first batch arrives
-        # Tasks sent without a slot whose segments may still be adopted: they
-        # count against capacity so the ring never holds more than the window.
-        self.pending = 0
-        self._slots: list[Slot] = []
-        # Leases append from whichever thread drops the last view; deque.append
-        # and popleft are atomic, so no lock is needed.
-        self._free: collections.deque[Slot] = collections.deque()
-        self._warned = False
         # Unlinks the ring's names even if it is never closed cleanly.
         self._finalizer = weakref.finalize(self, segments.sweep, self.prefix)
+        self.control = Control.create(self.prefix)
+        self.quiet = quiet
+        self.pin = pin
+        self.numa_node = numa_node
+        self._slots: list[Slot] = []
+        # Slots some tensor views. Leases discard from whichever thread drops the last
+        # view; set.add and set.discard are atomic under the GIL, so no lock is needed.
+        self._lent: set[int] = set()
+        self._warned = False
+        self.in_use = False  # an iterator's workers are writing into it
 
-    @property
-    def sized(self) -> bool:
-        return self.slot_size > 0
+    def fits(self, pin: bool, numa_node: int | None) -> bool:
+        """Whether an iterator with these needs can take this ring over."""
+        return not self.in_use and (pin, numa_node) == (self.pin, self.numa_node) and self._finalizer.alive
 
-    def note_batch(self, nbytes: int) -> None:
-        """Size slots from the batches seen so far."""
-        if self.slot_size == 0:
-            # Most workloads have fixed-shape batches: exact slots cost no memory
-            # beyond torch's own per-batch segments.
-            self.slot_size = segments.pages(nbytes)
-        elif nbytes > self.slot_size:
-            # Sizes vary: leave 25% headroom so growth happens a few times, not
-            # every few batches.
-            self.slot_size = segments.pages(nbytes + nbytes // 4)
+    def receive(self, slot_id: int | None, made: str | None):
+        """The memory a worker wrote a batch into: a ``Slot``, or a one-off segment.
 
-    def acquire(self) -> Slot | None:
-        """A free slot of the current size, or None when all are lent out (or none is sized yet)."""
-        if not self.sized:
-            return None
-        if self._free:
-            slot = self._free.popleft()
-            if slot.segment.size < self.slot_size:
-                self._regrow(slot)
-            return slot
-        if len(self._slots) + self.pending < self.capacity:
-            slot = Slot(len(self._slots), self.pinned(self._create()))
+        Args:
+            slot_id: the slot it claimed, or None when none was free.
+            made: the segment the worker created instead (none was free, or the one
+                claimed was too small), or None.
+        """
+        if made is None:
+            return self._slots[slot_id]
+        # Mapped lazily: pages are mapped as they are read.
+        seg = self.pinned(segments.attach(made, populate=False))
+        if slot_id is not None:  # the claimed slot was too small: the new segment replaces it
+            slot = self._slots[slot_id]
+            segments.unlink(slot.segment.name)  # its mapping lives on while anything views it
+            slot.segment = seg
+        elif len(self._slots) < MAX_SLOTS:
+            slot = Slot(len(self._slots), seg)
             self._slots.append(slot)
-            return slot
-        return None
-
-    def adopt(self, segment) -> Slot | None:
-        """Keep a worker-made segment as a slot, if the ring has room and it is big enough."""
-        if len(self._slots) >= self.capacity or segment.size < self.slot_size:
-            return None
-        slot = Slot(len(self._slots), self.pinned(segment))
-        self._slots.append(slot)
+            self._warn_if_kept()
+        else:
+            segments.unlink(made)  # mapped now; the name is no longer needed
+            return seg
+        self.control.publish(slot.slot_id, seg.name, seg.size)
         return slot
 
-    def _create(self):
-        return segments.create(self.prefix, self.slot_size, self.numa_node)
+    def _warn_if_kept(self) -> None:
+        if len(self._slots) > self.quiet and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"fastfeed's ring of batch slots is growing past the {self.quiet} slots this loader needs: "
+                "earlier batches are still referenced (for example by list(loader)), so every new batch "
+                "takes new memory. Drop references to old batches (or .clone() what you keep) to keep "
+                "memory flat.",
+                RingGrowthWarning,
+                stacklevel=6,
+            )
 
     def pinned(self, segment):
         """``segment``, registered with CUDA if this ring pins (a one-off segment too)."""
@@ -126,42 +122,40 @@ class Ring:
             segment.pin()
         return segment
 
-    def segment(self, ref: SlotRef):
-        """The segment lent as ``ref`` (what a worker thread writes into, unmapped twice)."""
-        return self._slots[ref.slot_id].segment
+    def segment(self, slot_id: int):
+        """The segment of slot ``slot_id`` (what a worker thread writes into, mapped once)."""
+        return self._slots[slot_id].segment
 
-    def _regrow(self, slot: Slot) -> None:
-        # The old mapping stays alive for as long as anything still views it;
-        # the worker swaps its own mapping when it sees the new name.
-        segments.unlink(slot.segment.name)
-        slot.segment = self.pinned(self._create())
+    def lend(self, memory) -> torch.Tensor:
+        """A uint8 tensor over a slot (or one-off segment) from ``receive``; a slot is freed when it and all its views die."""
+        if not isinstance(memory, Slot):
+            return torch.frombuffer(memory, dtype=torch.uint8)
+        slot_id, lent, control = memory.slot_id, self._lent, self.control
+        lent.add(slot_id)
 
-    def grow(self) -> None:
-        """Make room for one more slot because every slot is held by batches the user kept."""
-        self.capacity += 1
-        if self.capacity > self._quiet_capacity and not self._warned:
-            self._warned = True
-            warnings.warn(
-                f"fastfeed's ring of batch slots is full: all {self.capacity - 1} slots are "
-                "held by batches that are still referenced (for example by list(loader)), so "
-                "the ring grows by one slot per extra batch. Drop references to old batches "
-                "(or .clone() what you keep) to keep memory flat.",
-                RingGrowthWarning,
-                stacklevel=5,
-            )
+        def free():
+            lent.discard(slot_id)
+            control.release(slot_id)
 
-    def release(self, slot: Slot | None) -> None:
-        """Return a slot that no batch views (its task did not use it)."""
-        if slot is not None:
-            self._free.append(slot)
+        return torch.frombuffer(C.Lease(memory.segment, free), dtype=torch.uint8)
 
-    def lend(self, slot: Slot) -> torch.Tensor:
-        """A uint8 tensor over the whole slot; the slot is freed when it and all its views die."""
-        lease = C.Lease(slot.segment, lambda free=self._free, s=slot: free.append(s))
-        return torch.frombuffer(lease, dtype=torch.uint8)
+    def release(self, memory) -> None:
+        """Return what ``receive`` gave when its batch is not handed out."""
+        if isinstance(memory, Slot):
+            self.control.release(memory.slot_id)
+
+    def recover(self) -> None:
+        """Settle what workers left unreported: call only once they are all gone.
+
+        Slots they claimed go back on the free list, and segments they made whose
+        message was never read are unlinked.
+        """
+        for slot in self._slots:
+            if slot.slot_id not in self._lent and not self.control.is_free(slot.slot_id):
+                self.control.release(slot.slot_id)
+        segments.sweep(self.prefix, keep={self.control.name, *(slot.segment.name for slot in self._slots)})
 
     def close(self) -> None:
         """Unlink every name this ring or its workers created; live views stay valid."""
         self._finalizer()
-        self._free.clear()
         self._slots.clear()

@@ -82,12 +82,14 @@ def unlink(name: str) -> bool:
     return _native.C.unlink(name)
 
 
-def sweep(prefix: str) -> int:
-    """Unlink every segment still named under ``prefix``; returns how many."""
+def sweep(prefix: str, keep: frozenset | set = frozenset()) -> int:
+    """Unlink every segment still named under ``prefix``, except those named in ``keep``; returns how many."""
     directory = os.path.dirname(_path(prefix))
     count = 0
     for path in glob.glob(glob.escape(_path(prefix)) + "*"):
-        count += unlink(_name(directory, os.path.basename(path)))
+        name = _name(directory, os.path.basename(path))
+        if name not in keep:
+            count += unlink(name)
     return count
 
 

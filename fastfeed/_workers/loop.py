@@ -24,6 +24,7 @@ from torch.utils.data._utils import worker as torch_worker
 
 from .. import _state, affinity
 from .._ring import layout, segments
+from .._ring.control import Control
 from . import messages as m
 from .pool import DUMP_SIGNAL
 
@@ -43,50 +44,58 @@ class WorkerSpec(NamedTuple):
     base_seed: int
     init_fn: Callable | None
     shared_seed: int | None
-    prefix: str  # the ring's segment name prefix, for one-off segments
+    prefix: str  # the ring's segment name prefix, for the segments workers create
+    control: str  # the name of the ring's control block (its shared free list)
     history: int  # per-task state snapshots to keep (every task in flight, and one more)
     placement: Any = None  # affinity.Placement: the CPUs and NUMA node of every worker, or None
 
 
 class SlotWriter:
-    """Maps the slots this worker is lent, once each, and writes batches into them.
+    """Writes batches into ring slots it claims, mapping each slot once.
 
     Args:
-        prefix: the ring's name prefix, for one-off segments.
-        attach: the segment behind a ``SlotRef`` (a process maps it by name; a
+        control: the ring's ``Control`` (its shared free list).
+        attach: the segment behind a claimed slot (a process maps it by name; a
             thread uses the ring's own mapping).
+        numa_node: where the segments it creates belong.
     """
 
-    def __init__(self, prefix: str, attach: Callable[[m.SlotRef], Any], numa_node: int | None = None):
-        self.prefix = prefix
+    def __init__(self, control, attach: Callable[[Any], Any], numa_node: int | None = None):
+        self.control = control
         self.attach = attach
-        self.numa_node = numa_node  # for one-off segments
+        self.numa_node = numa_node
         self.mapped: dict[int, tuple[str, torch.Tensor]] = {}
 
-    def _base(self, ref: m.SlotRef) -> torch.Tensor:
-        hit = self.mapped.get(ref.slot_id)
-        if hit is None or hit[0] != ref.name:  # new slot, or the ring regrew it
-            seg = self.attach(ref)
-            hit = self.mapped[ref.slot_id] = (ref.name, torch.frombuffer(seg, dtype=torch.uint8))
+    def _base(self, claimed) -> torch.Tensor:
+        hit = self.mapped.get(claimed.slot_id)
+        if hit is None or hit[0] != claimed.name:  # new slot, or the ring replaced it
+            seg = self.attach(claimed)
+            hit = self.mapped[claimed.slot_id] = (claimed.name, torch.frombuffer(seg, dtype=torch.uint8))
         return hit[1]
 
     def write(self, task: m.Task, batch, worker_id: int) -> m.Done:
         payload, objs, leaves, nbytes = layout.plan(batch)
-        overflow = None
+        slot_id = made = None
         if nbytes:
-            if task.slot is not None and nbytes <= task.slot.size:
-                base = self._base(task.slot)
-            else:  # no slot yet, or the batch outgrew it: a one-off segment
-                seg = segments.create(self.prefix, segments.pages(nbytes), self.numa_node)
-                overflow = seg.name
+            claimed = self.control.claim()  # only now: a task waiting its turn holds no memory
+            if claimed is not None and nbytes <= claimed.size:
+                slot_id, base = claimed.slot_id, self._base(claimed)
+            else:
+                # No slot free, or it is too small: a segment of our own, which the
+                # ring adopts. A replacement gets headroom, as sizes evidently vary.
+                size = nbytes if claimed is None else nbytes + nbytes // 4
+                seg = segments.create(self.control.prefix, segments.pages(size), self.numa_node)
+                slot_id, made = (None if claimed is None else claimed.slot_id), seg.name
                 base = torch.frombuffer(seg, dtype=torch.uint8)
             try:
                 layout.fill(base, objs, leaves)
             except BaseException:
-                if overflow:  # nobody will ever be told its name
-                    segments.unlink(overflow)
+                if made:  # nobody will ever be told its name
+                    segments.unlink(made)
+                if slot_id is not None:
+                    self.control.release(slot_id)
                 raise
-        return m.Done(task.idx, worker_id, nbytes, leaves, payload, overflow)
+        return m.Done(task.idx, worker_id, nbytes, leaves, payload, slot_id, made)
 
 
 def node_of(spec: WorkerSpec) -> int | None:
@@ -183,7 +192,8 @@ def worker_main(worker_id, spec: WorkerSpec, parent_pid, resume, task_conn, resu
         torch_worker._worker_info = torch_worker.WorkerInfo(
             id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=dataset
         )
-        writer = SlotWriter(spec.prefix, lambda ref: segments.attach(ref.name), node_of(spec))
+        control = Control.attach(spec.control, spec.prefix)
+        writer = SlotWriter(control, lambda claimed: segments.attach(claimed.name), node_of(spec))
         get = _pipe_reader(task_conn, parent_pid)
         serve(worker_id, spec, dataset, writer, get, lambda msg: result_conn.send_bytes(m.dumps(msg)), resume)
     except KeyboardInterrupt:

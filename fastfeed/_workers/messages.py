@@ -14,20 +14,11 @@ import pickle
 from typing import Any, NamedTuple
 
 
-class SlotRef(NamedTuple):
-    """A ring slot lent to one task: the worker writes the batch into it."""
-
-    slot_id: int
-    name: str
-    size: int
-
-
 class Task(NamedTuple):
-    """Fetch and collate the samples of batch ``idx``."""
+    """Fetch and collate the samples of batch ``idx`` (into a slot the worker claims from the ring)."""
 
     idx: int
     index: Any  # a list of sample indices (auto-collation) or one index
-    slot: SlotRef | None  # None while the ring is still unsized
 
 
 class Resume(NamedTuple):
@@ -56,8 +47,9 @@ class Done(NamedTuple):
     """Batch ``idx`` is written.
 
     ``payload`` is the batch structure pickled with each tensor replaced by its
-    index in ``leaves``. The tensor bytes are in the task's slot, or, when they
-    did not fit, in the worker-created segment named ``overflow``.
+    index in ``leaves``. The tensor bytes are in ring slot ``slot_id``, or in the
+    segment named ``made`` that the worker created because no slot was free
+    (``slot_id`` None) or the one it claimed was too small (``made`` replaces it).
     """
 
     idx: int
@@ -65,7 +57,8 @@ class Done(NamedTuple):
     nbytes: int
     leaves: list
     payload: bytes
-    overflow: str | None
+    slot_id: int | None
+    made: str | None
 
 
 class Failed(NamedTuple):

@@ -80,6 +80,7 @@ class Pool:
 
     def __init__(self, context, num_workers, target, args_for, hang_dump_s: float = 0):
         self.hang_dump_s = hang_dump_s  # 0: never dump stacks by itself
+        self.all_gone = False  # after stop(): every worker process has exited
         self.workers: list[Worker] = []
         self._any = select.poll()
         self._fd_owner: dict[int, Worker] = {}
@@ -211,12 +212,15 @@ class Pool:
         deadline = time.monotonic() + grace
         for w in self.workers:
             w.process.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.all_gone = True
         for w in self.workers:
             if w.process.is_alive():  # stuck in user code: it will never read Stop
                 w.process.kill()
                 w.process.join(timeout=STATUS_CHECK_S)
             w.tasks.close()
             w.results.close()
-            if not w.process.is_alive():
+            if w.process.is_alive():
+                self.all_gone = False
+            else:
                 w.process.close()
         self.workers = []

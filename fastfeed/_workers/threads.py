@@ -63,14 +63,14 @@ def _patch_get_worker_info() -> None:
         torch_worker.get_worker_info.__code__ = _per_thread_worker_info.__code__
 
 
-def thread_worker_main(worker_id: int, spec: WorkerSpec, attach, get, put) -> None:
-    """Entry point of one worker thread; ``attach`` is the ring's mapping of a slot."""
+def thread_worker_main(worker_id: int, spec: WorkerSpec, control, attach, get, put) -> None:
+    """Entry point of one worker thread: ``control`` is the ring's, ``attach`` its mapping of a claimed slot."""
     affinity.apply(spec.placement)  # CPU affinity and memory policy are per thread, too
     yield_to_main()  # SCHED_BATCH applies to this thread only
     _local.info = torch_worker.WorkerInfo(
         id=worker_id, num_workers=spec.num_workers, seed=spec.base_seed + worker_id, dataset=spec.dataset
     )
-    serve(worker_id, spec, spec.dataset, SlotWriter(spec.prefix, attach, node_of(spec)), get, put, thread=True)
+    serve(worker_id, spec, spec.dataset, SlotWriter(control, attach, node_of(spec)), get, put, thread=True)
 
 
 class _Died(NamedTuple):
@@ -89,6 +89,7 @@ class ThreadPool:
         _patch_get_worker_info()
         self.hang_dump_s = hang_dump_s
         self._stopped = False
+        self.all_gone = False  # after stop(): no thread is left behind, busy in user code
         self._tasks = [queue.SimpleQueue() for _ in range(num_workers)]
         self._replies: queue.SimpleQueue = queue.SimpleQueue()  # (worker_id, message) from all
         # Replies taken off the queue, per worker, in arrival order.
@@ -107,10 +108,10 @@ class ThreadPool:
 
     def _run(self, wid: int, target, args) -> None:
         def put(msg, wid=wid, replies=self._replies):
-            if self._stopped and type(msg) is m.Done and msg.overflow:
+            if self._stopped and type(msg) is m.Done and msg.made:
                 # Made after the pool stopped, perhaps after the ring's last sweep:
                 # nobody will read this message, so its segment goes now.
-                segments.unlink(msg.overflow)
+                segments.unlink(msg.made)
             replies.put((wid, msg))
 
         try:
@@ -196,4 +197,5 @@ class ThreadPool:
         deadline = time.monotonic() + min(grace, STOP_WAIT_S)
         for t in self.threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.all_gone = not any(t.is_alive() for t in self.threads)
         self.threads = []

@@ -1,0 +1,83 @@
+"""The ring's control block: which slots are free, and where each one lives.
+
+One small shared-memory segment per ring, made by the main process, mapped by every
+worker. Its layout, declared once here::
+
+    offset 0                 free bitmap: WORDS little-endian uint64, bit k set while slot k is free
+    offset BITMAP_BYTES      MAX_SLOTS entries of ENTRY_BYTES: the slot segment's name suffix
+                             (SUFFIX_LEN ASCII hex characters after the ring's prefix), then its
+                             size in bytes (uint64)
+
+Only the main process writes entries, and always before it sets the slot's bit; a
+worker reads an entry only after it has claimed that bit (claim and release order
+memory: ``csrc/freelist.h``). Entries are parsed as fixed fields, never unpickled.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple
+
+from .._native import C
+from . import segments
+
+MAX_SLOTS = 1024  # beyond this many batches alive at once, a batch gets a one-off segment
+WORDS = MAX_SLOTS // 64
+BITMAP_BYTES = WORDS * 8
+SUFFIX_LEN = 16  # segments.create names a segment prefix + 16 hex characters
+_ENTRY = struct.Struct(f"<{SUFFIX_LEN}sQ")
+ENTRY_BYTES = 32
+SIZE = BITMAP_BYTES + MAX_SLOTS * ENTRY_BYTES
+
+
+class Claimed(NamedTuple):
+    """A slot a worker took from the free list: its id, segment name and size."""
+
+    slot_id: int
+    name: str
+    size: int
+
+
+class Control:
+    """A mapped control block (``create`` in the main process, ``attach`` in a worker)."""
+
+    def __init__(self, segment, prefix: str):
+        self.segment = segment  # kept: the bitmap's address is only valid while it is mapped
+        self.prefix = prefix
+        self._view = memoryview(segment)
+        self._words = segment.address
+
+    @classmethod
+    def create(cls, prefix: str) -> Control:
+        return cls(segments.create(prefix, segments.pages(SIZE)), prefix)  # tmpfs pages start zeroed: none free
+
+    @classmethod
+    def attach(cls, name: str, prefix: str) -> Control:
+        return cls(segments.attach(name), prefix)
+
+    @property
+    def name(self) -> str:
+        return self.segment.name
+
+    def claim(self) -> Claimed | None:
+        """Take the lowest free slot, or None when every slot is in use."""
+        slot_id = C.claim_bit(self._words, WORDS)
+        if slot_id < 0:
+            return None
+        suffix, size = _ENTRY.unpack_from(self._view, BITMAP_BYTES + slot_id * ENTRY_BYTES)
+        return Claimed(slot_id, self.prefix + suffix.decode("ascii"), size)
+
+    def release(self, slot_id: int) -> None:
+        """Put slot ``slot_id`` back on the free list."""
+        C.release_bit(self._words, slot_id)
+
+    def publish(self, slot_id: int, name: str, size: int) -> None:
+        """Record where slot ``slot_id`` lives (main process only; before its bit is set)."""
+        suffix = name[len(self.prefix):]
+        if not name.startswith(self.prefix) or len(suffix) != SUFFIX_LEN:
+            raise ValueError(f"segment {name!r} is not named under the ring's prefix {self.prefix!r}")
+        _ENTRY.pack_into(self._view, BITMAP_BYTES + slot_id * ENTRY_BYTES, suffix.encode("ascii"), size)
+
+    def is_free(self, slot_id: int) -> bool:
+        word = int.from_bytes(self._view[slot_id // 64 * 8 : slot_id // 64 * 8 + 8], "little")
+        return bool(word >> (slot_id % 64) & 1)
