@@ -8,6 +8,10 @@ per-round ratios. See /work/shared/BENCHMARKS.md.
 The candidate is ``fastfeed.DataLoader``. ``FASTFEED_BENCH_CANDIDATE=torch`` (or the hidden
 ``--candidate torch`` flag) substitutes torch's own DataLoader, named ``torch*``, which checks
 the harness itself: every ratio should then be ~1.0x. Any ``module`` or ``module:Class`` works too.
+
+A trial is either a steady state (:func:`run_trial`: one iterator, warm-up, timed and memory
+batches) or, in epoch mode (``--epoch-batches N``), whole epochs of one loader (:func:`run_epochs`),
+each timed from ``iter(loader)`` to its last batch.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import ctypes
 import gc
 import importlib
 import json
+import math
 import os
 import platform
 import resource
@@ -52,6 +57,7 @@ FIGURES = {
     "peak_footprint": ("foot_delta_mb", 1.0, "MB", 1.0),
     "ttfb": ("ttfb_s", 1e3, "ms", 0.0),
     "ctor_ttfb": ("ctor_ttfb_s", 1e3, "ms", 0.0),
+    "ttfb_hot": ("ttfb_hot_s", 1e3, "ms", 0.0),  # epoch mode only: first batch of epoch 2 and later
 }
 GBPS = ("bytes_per_s", 1e-9, "GB/s", 0.0)
 
@@ -74,6 +80,12 @@ class Comparison:
             the workload's). Variant ``v`` is summarized against the baseline, under the key
             ``"<workload> <label> <v>"``, and against the candidate, under
             ``"<workload> <label> <v>/<candidate_tag or 'candidate'>"``.
+        epoch_batches: 0: a trial is one iterator over warm-up, timed and memory batches (steady
+            state). N > 0: epoch mode, a trial is whole epochs of N batches of one loader (see
+            :func:`run_epochs`); ``warmup`` is then unused (epoch 1 is the warm-up) and ``batches``
+            sets the number of timed epochs, :attr:`epochs`.
+        prime: Run one untimed priming trial per side before round 0. A script whose comparisons
+            share a workload may prime only the first (prefetch.py: 32 comparisons).
     """
 
     workload: Any
@@ -86,6 +98,19 @@ class Comparison:
     bars: dict = field(default_factory=dict)
     candidate_tag: str = ""
     variants: dict = field(default_factory=dict)
+    epoch_batches: int = 0
+    prime: bool = True
+
+    @property
+    def epochs(self) -> int:
+        """Timed epochs per trial in epoch mode (0 in steady state): about ``batches`` timed
+        batches, and at least 2, so that the hot time to first batch is a median of two or more."""
+        return timed_epochs(self.batches, self.epoch_batches)
+
+
+def timed_epochs(batches: int, epoch_batches: int) -> int:
+    """Timed epochs for ``batches`` timed batches in epochs of ``epoch_batches``: ``ceil``, at least 2."""
+    return max(2, math.ceil(batches / epoch_batches)) if epoch_batches > 0 else 0
 
 
 # --- candidate -----------------------------------------------------------------------------
@@ -132,6 +157,28 @@ def process_tree(root: int | None = None) -> list[int]:
     return tree
 
 
+def _pss_anon_shmem_mb(pids: Sequence[int]) -> tuple[float, float]:
+    """Summed ``Pss_Anon`` and ``Pss_Shmem`` of ``pids``, in MB, from one read of each smaps_rollup.
+
+    Reading smaps_rollup walks the process's page tables: ~8 ms for a process that maps the
+    transport pool (403 MB), so each is read once per sample. Kernels before 5.9 give only the
+    total ``Pss``, counted as anonymous.
+    """
+    anon_kb = shmem_kb = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+                fields = dict(line.split()[:2] for line in f if line.startswith(b"Pss"))
+        except OSError:
+            continue  # a vanished pid counts 0
+        if b"Pss_Anon:" in fields:
+            anon_kb += int(fields[b"Pss_Anon:"])
+            shmem_kb += int(fields.get(b"Pss_Shmem:", 0))
+        else:
+            anon_kb += int(fields.get(b"Pss:", 0))
+    return anon_kb * 1024 / MB, shmem_kb * 1024 / MB
+
+
 def pss_mb(pids: Sequence[int], anon_only: bool = False) -> float:
     """Summed PSS of anonymous and shared memory of ``pids``, in MB (a vanished pid counts 0).
 
@@ -139,20 +186,8 @@ def pss_mb(pids: Sequence[int], anon_only: bool = False) -> float:
     (kdamond) evicts and refaults them at random, which moved the sum by ~15 MB from one sample
     to the next, and a loader's buffers are anonymous or shared memory, never file-backed.
     """
-    total_kb = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
-                fields = dict(line.split()[:2] for line in f if line.startswith(b"Pss"))
-        except OSError:
-            continue
-        if b"Pss_Anon:" in fields:
-            total_kb += int(fields[b"Pss_Anon:"])
-            if not anon_only:
-                total_kb += int(fields.get(b"Pss_Shmem:", 0))
-        else:  # kernels before 5.9 give only the total
-            total_kb += int(fields.get(b"Pss:", 0))
-    return total_kb * 1024 / MB
+    anon, shmem = _pss_anon_shmem_mb(pids)
+    return anon if anon_only else anon + shmem
 
 
 def shmem_mb() -> float:
@@ -190,8 +225,8 @@ class PeakPss:
     def sample(self) -> float:
         """Take one sample now; return it in MB."""
         pids = process_tree()
-        mb = pss_mb(pids)
-        foot = footprint_mb(pids)
+        anon, shmem = _pss_anon_shmem_mb(pids)
+        mb, foot = anon + shmem, anon + shmem_mb()  # footprint_mb, without reading smaps twice
         with self._lock:
             self.samples += 1
             self.foot_peak_mb = max(self.foot_peak_mb, foot)
@@ -240,28 +275,31 @@ def _main_cpu_s() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def _tree_cpu_s() -> dict[int, float]:
-    """CPU seconds (user + system) so far of this process and each live descendant, by pid.
+def _tree_cpu_s() -> float:
+    """CPU seconds (user + system) so far of this process and its live descendants, with their reaped children.
 
     From ``/proc/<pid>/stat``, in clock ticks (10 ms): coarse, but worker processes are not
     reaped until their loader ends, so ``getrusage(RUSAGE_CHILDREN)`` cannot see them mid-trial.
+    Each process's reaped children count too (``cutime``, ``cstime``): a worker that exits and is
+    joined between two readings (epoch mode, ``persistent_workers=False``) moves its CPU from its
+    own entry to its parent's, so the difference of two readings keeps it.
     """
     tick = os.sysconf("SC_CLK_TCK")
-    out = {}
+    total = 0
     for pid in process_tree():
         try:
             with open(f"/proc/{pid}/stat", "rb") as f:
                 fields = f.read().rsplit(b")", 1)[1].split()
         except (OSError, IndexError):
             continue  # exited while we read
-        out[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime: fields 14 and 15
-    return out
+        total += sum(int(v) for v in fields[11:15])  # utime, stime, cutime, cstime: fields 14-17
+    return total / tick
 
 
 def _release_freed_memory() -> None:
     """Collect garbage and hand freed heap pages back to the OS.
 
-    glibc keeps freed chunks (a 9.6 MB batch, a trial's dataset pool) in the heap, where they stay
+    glibc keeps freed chunks (a 9.6 MB batch, a trial's dataset) in the heap, where they stay
     resident: the next trial's PSS baseline would include them and its loader would reuse them
     without growing PSS at all, so a trial's figure would depend on the one before it.
     """
@@ -348,10 +386,122 @@ def run_trial(loader_cls: type, workload: Any, kwargs: dict, warmup: int, batche
         batches_per_s=batches / seconds if batches else None,
         bytes_per_s=nbytes / seconds if batches else None, bytes=nbytes,
         main_cpu_s=cpu1 - cpu0 if batches else None,
-        tree_cpu_s=sum(t - tree0.get(pid, 0.0) for pid, t in tree1.items()) if batches else None,
+        tree_cpu_s=tree1 - tree0 if batches else None,
         pss_base_mb=pss_base, pss_peak_mb=mem.peak_mb, pss_delta_mb=mem.peak_mb - pss_base,
         foot_peak_mb=mem.foot_peak_mb, foot_delta_mb=mem.foot_peak_mb - foot_base,
         peak_procs=mem.peak_procs, pss_samples=mem.samples, leftover_procs=leftover,
+        ttfb_hot_s=None, stop_s=None,
+    )
+
+
+def _next_batch(it: Iterator, epoch: int, index: int, epoch_batches: int) -> Any:
+    try:
+        return next(it)
+    except StopIteration:
+        raise RuntimeError(f"epoch {epoch} ended after {index} batches, not {epoch_batches}: "
+                           f"epoch mode needs a loader that yields len(dataset) / batch_size batches") from None
+
+
+def run_epochs(loader_cls: type, workload: Any, kwargs: dict, epoch_batches: int, epochs: int,
+               mem_batches: int = 0) -> dict:
+    """Build a fresh dataset of exactly ``epoch_batches`` batches and one loader; run whole epochs.
+
+    A training loop's view: ``for epoch ...: for batch in loader``. With torch's default
+    ``persistent_workers=False`` (which the comparison's kwargs set, or leave to the loader's
+    default) every epoch starts its workers again, and that start is part of the epoch's time.
+    Every epoch runs to its natural end: ``epoch_batches`` batches, then ``StopIteration`` (a loader
+    that yields more or fewer raises here).
+
+    1. Epoch 1, the warm-up: its time to first batch (``ttfb_s``; ``ctor_ttfb_s`` adds the
+       constructor) is recorded, nothing else is timed. After its first batch, ``mem_batches``
+       batches each followed by a PSS sample, with a thread sampling every ~10 ms (as phase 4 of
+       :func:`run_trial`: queues fill as behind a slow training step); the rest unsampled.
+    2. Epochs 2 to ``epochs + 1``, timed: each from the ``iter(loader)`` call to its last batch,
+       so each epoch's start-up is in it. Throughput is all their batches over the sum of their
+       times; ``ttfb_hot_s`` is the median of their times to first batch; main-process and
+       process-tree CPU are summed over the same spans.
+
+    After the last batch of every epoch, outside its time, one PSS sample; then the ``next`` that
+    raises ``StopIteration`` and the dropping of the iterator (a loader's end-of-epoch shutdown)
+    are timed apart: ``stop_s`` is their median over the timed epochs (in no throughput).
+
+    Args:
+        loader_cls: A DataLoader-compatible class.
+        workload: A ``workloads.Workload``; its dataset is made fresh for this trial.
+        kwargs: Loader kwargs (the workload's and the comparison's, merged).
+        epoch_batches: Batches per epoch; the dataset has ``epoch_batches * batch_size`` items.
+        epochs: Timed epochs, after the warm-up epoch (at least 1).
+        mem_batches: Batches of epoch 1 each followed by a PSS sample (at most ``epoch_batches - 1``).
+
+    Returns:
+        The trial record, with the keys of :func:`run_trial`'s.
+    """
+    n = epoch_batches
+    _release_freed_memory()
+    before = set(process_tree())
+    dataset = workload.make_dataset(n * kwargs.get("batch_size", 1))
+    mem = PeakPss()
+    loader = it = None
+    ttfbs, spans, stops = [], [], []
+    nbytes, main_cpu, tree_cpu = 0, 0.0, 0.0
+    try:
+        pss_base = mem.sample()  # after the dataset exists: its pool is not the loader's memory
+        foot_base = mem.foot_peak_mb
+        t0 = time.perf_counter()
+        loader = loader_cls(dataset, **kwargs)
+        t1 = time.perf_counter()
+        for epoch in range(1, epochs + 2):
+            timed = epoch > 1
+            if timed:
+                tree0 = _tree_cpu_s()  # scanning /proc costs main-process CPU: outside the epoch
+                cpu0 = _main_cpu_s()
+            start = time.perf_counter()
+            it = iter(loader)
+            got = touch(_next_batch(it, epoch, 0, n))
+            first = time.perf_counter()
+            done = 1
+            if not timed:
+                mem.sample()
+                with mem.sampling():
+                    for _ in range(min(mem_batches, n - 1)):
+                        touch(_next_batch(it, epoch, done, n))
+                        done += 1
+                        mem.sample()
+            while done < n:
+                got += touch(_next_batch(it, epoch, done, n))
+                done += 1
+            end = time.perf_counter()
+            ttfbs.append(first - start)
+            if timed:
+                main_cpu += _main_cpu_s() - cpu0
+                tree_cpu += _tree_cpu_s() - tree0
+                spans.append(end - start)
+                nbytes += got
+            mem.sample()  # the epoch's last batch is out, its workers still up
+            s0 = time.perf_counter()
+            try:
+                next(it)
+            except StopIteration:
+                pass
+            else:
+                raise RuntimeError(f"epoch {epoch} yielded more than {n} batches")
+            it = None  # the loader's end-of-epoch shutdown, if it waits for the iterator to go
+            if timed:
+                stops.append(time.perf_counter() - s0)
+    finally:
+        # Drop every reference so this trial's workers and buffers cannot pollute the next.
+        del it, loader, dataset
+        _release_freed_memory()
+        leftover = _wait_for_exit(set(process_tree()) - before)
+    seconds = sum(spans)
+    return dict(
+        ctor_s=t1 - t0, ttfb_s=ttfbs[0], ctor_ttfb_s=t1 - t0 + ttfbs[0], seconds=seconds,
+        batches_per_s=n * epochs / seconds, bytes_per_s=nbytes / seconds, bytes=nbytes,
+        main_cpu_s=main_cpu, tree_cpu_s=tree_cpu,
+        pss_base_mb=pss_base, pss_peak_mb=mem.peak_mb, pss_delta_mb=mem.peak_mb - pss_base,
+        foot_peak_mb=mem.foot_peak_mb, foot_delta_mb=mem.foot_peak_mb - foot_base,
+        peak_procs=mem.peak_procs, pss_samples=mem.samples, leftover_procs=leftover,
+        ttfb_hot_s=statistics.median(ttfbs[1:]), stop_s=statistics.median(stops),
     )
 
 
@@ -378,7 +528,9 @@ def compare(comp: Comparison, candidate: type, baseline: type = TorchDataLoader,
     the machine's state (frequency, page cache, neighbours) hits both sides alike. With
     variants, round r runs the sides (baseline, candidate, variants...) rotated left by r, so
     over a multiple of their number of rounds each side runs in each position equally often.
-    One untimed priming trial per side first absorbs one-time costs (lazy imports, helper processes).
+    One untimed priming trial per side first absorbs one-time costs (lazy imports, helper processes),
+    unless ``comp.prime`` is false.
+    In epoch mode (``comp.epoch_batches > 0``) a trial is :func:`run_epochs`, else :func:`run_trial`.
 
     Args:
         comp: What to compare.
@@ -402,8 +554,13 @@ def compare(comp: Comparison, candidate: type, baseline: type = TorchDataLoader,
         if tag in sides:
             raise ValueError(f"a variant may not be named {tag!r}")
         sides[tag] = (candidate, _kwargs(comp, own, mp_context), _tagged(names[0], tag))
-    for cls, kwargs, _ in sides.values():
+    for cls, kwargs, _ in sides.values() if comp.prime else ():
         run_trial(cls, comp.workload, kwargs, warmup=1, batches=1)
+    n = comp.epoch_batches
+    if n > 0:  # one epoch of the warm-up, all timed epochs' batches, the sampled part of epoch 1
+        counts = dict(warmup=n, batches=n * comp.epochs, mem_batches=min(comp.mem_batches, n - 1))
+    else:
+        counts = dict(warmup=comp.warmup, batches=comp.batches, mem_batches=comp.mem_batches)
     records = []
     roles = list(sides)
     for r in range(rounds):
@@ -413,8 +570,13 @@ def compare(comp: Comparison, candidate: type, baseline: type = TorchDataLoader,
             cls, kwargs, name = sides[role]
             rec = dict(workload=comp.workload.name, comparison=comp.label, round=r, position=position,
                        role=role, loader=name, num_workers=kwargs.get("num_workers", 0),
-                       warmup=comp.warmup, batches=comp.batches, mem_batches=comp.mem_batches)
-            rec.update(run_trial(cls, comp.workload, kwargs, comp.warmup, comp.batches, comp.mem_batches))
+                       **counts, epoch_batches=n, epochs=comp.epochs)
+            t0 = time.perf_counter()
+            if n > 0:
+                rec.update(run_epochs(cls, comp.workload, kwargs, n, comp.epochs, comp.mem_batches))
+            else:
+                rec.update(run_trial(cls, comp.workload, kwargs, comp.warmup, comp.batches, comp.mem_batches))
+            rec["wall_s"] = time.perf_counter() - t0  # the whole trial: dataset, sampling, teardown
             records.append(rec)
     return records
 
@@ -534,6 +696,7 @@ def run_script(script: str, comparisons: list[Comparison], args: argparse.Namesp
     say(f"# candidate {cand_name} = {candidate.__module__}.{candidate.__qualname__}, baseline torch; "
         f"{args.rounds} rounds, {os.cpu_count()} CPUs, torch {torch.__version__}")
     records, summary = [], {}
+    load_start = os.getloadavg()
     for comp in comparisons:
         recs = compare(comp, candidate, TorchDataLoader, args.rounds, args.mp_context, names)
         key = f"{comp.workload.name} {comp.label}"
@@ -554,9 +717,11 @@ def run_script(script: str, comparisons: list[Comparison], args: argparse.Namesp
             script=script, argv=sys.argv[1:], quick=args.quick, rounds=args.rounds, mp_context=args.mp_context,
             candidate=cand_name, candidate_class=f"{candidate.__module__}.{candidate.__qualname__}",
             baseline_class="torch.utils.data.DataLoader",
-            comparisons=[dict(asdict(c), workload=c.workload.name) for c in comparisons],
+            comparisons=[dict(asdict(c), workload=c.workload.name, epochs=c.epochs) for c in comparisons],
             python=platform.python_version(), torch=torch.__version__, numpy=np.__version__,
-            cpus=os.cpu_count(), machine=platform.platform(), git=_git_commit(),
+            cpus=os.cpu_count(), torch_threads=torch.get_num_threads(), machine=platform.platform(), git=_git_commit(),
+            # Other load on the machine skews everything, torch at nw=0 most (its intra-op threads spin).
+            loadavg_start=load_start, loadavg_end=os.getloadavg(),
             time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         ),
         rounds=records,
@@ -574,7 +739,8 @@ def parse_args(doc: str, argv: Sequence[str] | None, defaults: dict, quick: dict
     Args:
         doc: The script's docstring, shown by ``--help``.
         argv: Arguments (default ``sys.argv[1:]``).
-        defaults: Values of rounds, warmup, batches, mem_batches, num_workers for a full run.
+        defaults: Values of rounds, warmup, batches, mem_batches, num_workers for a full run, and
+            epoch_batches (a list; 0 is steady state) for a script that takes ``--epoch-batches``.
         quick: Values that ``--quick`` overrides.
         extra: Optional callable adding script-specific flags to the parser.
 
@@ -588,6 +754,11 @@ def parse_args(doc: str, argv: Sequence[str] | None, defaults: dict, quick: dict
     p.add_argument("--batches", type=int, help="timed batches per trial")
     p.add_argument("--mem-batches", type=int, help="untimed batches per trial, each followed by a PSS sample")
     p.add_argument("--num-workers", type=int, nargs="+", help="worker counts to measure")
+    if "epoch_batches" in defaults:  # only scripts whose question has epochs take it
+        p.add_argument("--epoch-batches", type=int, nargs="+", metavar="N",
+                       help="epoch mode: a trial runs whole epochs of N batches of one loader, each timed "
+                            "from iter() to its last batch (start-up included); 0: one steady-state "
+                            f"iterator (default {' '.join(map(str, defaults['epoch_batches']))})")
     p.add_argument("--mp-context", choices=("fork", "spawn", "forkserver"),
                    help="multiprocessing_context for both loaders (default: the loaders' own)")
     p.add_argument("--out", type=Path, default=REPO / "bench-results", help="directory for JSON and CSV")
@@ -595,6 +766,8 @@ def parse_args(doc: str, argv: Sequence[str] | None, defaults: dict, quick: dict
     if extra:
         extra(p)
     args = p.parse_args(argv)
+    if any(n < 0 for n in getattr(args, "epoch_batches", None) or ()):
+        p.error("--epoch-batches: N >= 1 for epochs of N batches, 0 for the steady state")
     preset = {**defaults, **quick} if args.quick else defaults
     for name, value in preset.items():
         if getattr(args, name, None) is None:

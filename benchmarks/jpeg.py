@@ -10,11 +10,13 @@ interleaved (the order rotates every round):
   torch              torch's DataLoader(..., num_workers=N).
 Ratios: fastfeed-process/torch, fastfeed-thread/torch and fastfeed-thread/fastfeed-process.
 main_cpu_s counts every thread of the main process, so a thread worker's decoding is in it;
-tree_cpu_s adds the worker processes: the whole cost of a batch.
+tree_cpu_s adds the worker processes: the whole cost of a batch. Memory: peak_pss (anonymous plus
+mapped shared memory) and peak_footprint (anonymous PSS plus all shared memory on the machine, which
+also counts torch's in-flight batches that no process maps; bar for fastfeed-process/torch: <= 1.0x).
 
 Run: .venv/bin/python benchmarks/jpeg.py [--quick] [--rounds N] [--num-workers 1 2 4] [--out DIR]
 
-Measured:
+Measured (before peak_footprint had its bar: its fastfeed-process/torch line would now end `bar <=1.0x MISSED`):
   (2026-11-29, 2-core VM, torch 2.13 CPU, `.venv/bin/python benchmarks/jpeg.py`)
   jpeg nw=2  fastfeed-process/torch throughput  median 1.14x (min 0.68x, max 1.17x)  fastfeed-process 29 batch/s  torch 25.7 batch/s
   jpeg nw=2  fastfeed-process/torch main_cpu_s  median 0.15x (min 0.12x, max 0.20x)  fastfeed-process 0.0302 s  torch 0.197 s
@@ -102,6 +104,7 @@ def comparisons(
             warmup=warmup,
             batches=batches,
             mem_batches=mem_batches,
+            bars={"peak_footprint": ("<=", 1.0)},  # the brief's bar, fastfeed-process/torch
             candidate_tag="process",
             variants=variants,
         )

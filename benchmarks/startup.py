@@ -1,13 +1,24 @@
-"""Startup: how long from ``iter(loader)`` to the first batch, and how much memory does it take?
+"""Startup: how long from ``iter(loader)`` to the first batch, of the first epoch and of later ones,
+and how much memory does it take?
 
-The transport dataset (64 uint8 images of 3x224x224 per batch), a fresh loader per trial,
-nw=2. Figures: time to first batch (bar: <= 1.0x torch), the same plus the loader's
-constructor (so work moved into ``__init__`` is not hidden), and peak PSS over a 30-batch run
-minus the PSS just before the loader is made (bar: <= 1.0x torch).
+The transport dataset (64 uint8 images of 3x224x224 per batch; a 256-image pool, 38.5 MB: this
+question is not about bandwidth), nw=2. A trial builds one loader with torch's default
+persistent_workers=False and runs 3 epochs of 30 batches (`--epoch-batches`, see _runner.run_epochs):
+the first epoch as before, its first batch then 29 batches each followed by a PSS sample; then two
+epochs that each start their workers again. Figures:
+  ttfb            time to the first batch of epoch 1, from iter(loader) (bar: <= 1.0x torch);
+  ctor_ttfb       the same plus the loader's constructor (work moved into __init__ is not hidden);
+  ttfb_hot        time to the first batch of epoch 2 and later, from iter(loader), the median of
+                  the two (bar: <= 0.5x torch);
+  peak_pss        peak PSS over the trial minus the PSS just before the loader is made (bar: <= 1.0x);
+  peak_footprint  the same for anonymous PSS plus all shared memory (bar: <= 1.0x).
+`--epoch-batches 0` runs the old single 30-batch iterator (no ttfb_hot).
 
-Run: .venv/bin/python benchmarks/startup.py [--quick] [--rounds N] [--num-workers 2] [--mp-context spawn] [--out DIR]
+Run: .venv/bin/python benchmarks/startup.py [--quick] [--rounds N] [--num-workers 2] [--epoch-batches 30]
+     [--mp-context spawn] [--out DIR]
 
 Measured:
+  ttfb_hot pending a full run. Before it (a single 30-batch iterator, the same 256-image pool):
   (2026-11-29, 2-core VM, torch 2.13 CPU, `.venv/bin/python benchmarks/startup.py`)
   startup nw=2  fastfeed/torch ttfb  median 0.61x (min 0.39x, max 0.86x)  fastfeed 21.8 ms  torch 38.5 ms  bar <=1.0x ok
   startup nw=2  fastfeed/torch peak_pss  median 2.06x (min 1.51x, max 2.07x)  fastfeed 50.2 MB  torch 24.4 MB  bar <=1.0x MISSED
@@ -19,34 +30,42 @@ from __future__ import annotations
 import _runner
 import workloads
 
-# A 30-batch run: the first batch, then 29 under the PSS sampler; nothing is timed for throughput.
-DEFAULTS = dict(rounds=10, warmup=1, batches=0, mem_batches=29, num_workers=[2])
-QUICK = dict(rounds=3)
-PRINTED = ("ttfb", "ctor_ttfb", "peak_pss", "peak_footprint", "peak_pss_abs")
-BARS = {"ttfb": ("<=", 1.0), "peak_pss": ("<=", 1.0), "peak_footprint": ("<=", 1.0)}
+# A trial: 3 epochs of 30 batches, the first with a PSS sample after each of its last 29 (nothing
+# timed for throughput: batches=0 leaves the minimum of 2 timed epochs, which give ttfb_hot).
+DEFAULTS = dict(rounds=10, warmup=1, batches=0, mem_batches=29, num_workers=[2], epoch_batches=[30])
+QUICK = dict(rounds=3, mem_batches=9, epoch_batches=[10])
+PRINTED = ("ttfb", "ctor_ttfb", "ttfb_hot", "peak_pss", "peak_footprint", "peak_pss_abs")
+BARS = {"ttfb": ("<=", 1.0), "ttfb_hot": ("<=", 0.5), "peak_pss": ("<=", 1.0), "peak_footprint": ("<=", 1.0)}
 
 
-def comparisons(num_workers: list[int], warmup: int, batches: int, mem_batches: int) -> list[_runner.Comparison]:
+def comparisons(num_workers: list[int], warmup: int, batches: int, mem_batches: int,
+                epoch_batches: list[int] = (30,)) -> list[_runner.Comparison]:
     """The startup comparisons: candidate and torch at the same worker count.
 
     Args:
         num_workers: Worker counts.
-        warmup: Untimed batches per trial, the first included.
+        warmup: Untimed batches per trial, the first included (steady state only).
         batches: Timed batches per trial (0: startup needs none).
         mem_batches: Batches per trial under the PSS sampler.
+        epoch_batches: Epoch lengths; 0 is the steady state (one iterator, no ttfb_hot).
 
     Returns:
-        One comparison per worker count.
+        One comparison per epoch length and worker count.
     """
     wl = workloads.startup()
-    return [_runner.Comparison(wl, f"nw={nw}", dict(num_workers=nw), dict(num_workers=nw),
-                               warmup, batches, mem_batches, BARS) for nw in num_workers]
+    out = []
+    for n in epoch_batches:
+        own = dict(persistent_workers=False) if n else {}  # torch's default, spelled out
+        suffix = f" epochs of {n}" if n else ""
+        out += [_runner.Comparison(wl, f"nw={nw}{suffix}", dict(num_workers=nw, **own), dict(num_workers=nw, **own),
+                                   warmup, batches, mem_batches, BARS, epoch_batches=n) for nw in num_workers]
+    return out
 
 
 def main(argv=None) -> dict:
     """Run the startup benchmark from the command line."""
     args = _runner.parse_args(__doc__, argv, DEFAULTS, QUICK)
-    comps = comparisons(args.num_workers, args.warmup, args.batches, args.mem_batches)
+    comps = comparisons(args.num_workers, args.warmup, args.batches, args.mem_batches, args.epoch_batches)
     return _runner.run_script("startup", comps, args, PRINTED)
 
 

@@ -8,9 +8,12 @@ trial (candidate or torch) sees the same bytes.
 from __future__ import annotations
 
 import io
+import math
 import os
 import shutil
+import subprocess
 import tempfile
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -22,9 +25,18 @@ from torch.utils.data import Dataset
 
 BATCH_SIZE = 64
 IMAGE_SHAPE = (3, 224, 224)
-# 256 images of 3x224x224 uint8 are ~38.5 MB: more than this machine's 32 MiB L3, so the
-# transport figure measures memory bandwidth, not cache bandwidth. Raise it on bigger caches.
-TRANSPORT_POOL_ITEMS = 256
+IMAGE_BYTES = math.prod(IMAGE_SHAPE)  # uint8: 150,528 bytes
+# The transport pool must exceed the last-level cache 8 times over, and 300 MB: a pool the cache
+# holds measures cache bandwidth and flatters a loader that rewrites the same few buffers.
+POOL_LLC_FACTOR = 8
+POOL_MIN_BYTES = 300_000_000
+CACHE_SYSFS = Path("/sys/devices/system/cpu/cpu0/cache")
+# startup.py measures time to first batch and memory, not bandwidth: it keeps the old 256-image
+# pool (38.5 MB), so its absolute peak is not a 400 MB pool every loader holds alike.
+STARTUP_POOL_ITEMS = 256
+# The prefetch workload: a latency-bound dataset (time.sleep in __getitem__), small batches.
+PREFETCH_SLEEP_S = 0.002
+PREFETCH_BATCH_SIZE = 16
 # The jpeg workload's files: made once, then reused by every run (benchmarks/.cache is git-ignored).
 JPEG_CACHE = Path(__file__).resolve().parent / ".cache"
 JPEG_FILES = 512
@@ -33,11 +45,110 @@ JPEG_CROP = 224
 JPEG_GENERATOR = 1  # bump when make_jpegs changes what it writes: the cache directory is named after it
 
 
+def _cache_size(text: str) -> int:
+    """Bytes of a sysfs cache ``size`` such as ``"32768K"``, ``"48M"`` or ``"512"``."""
+    text = text.strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(text.rstrip("KMG")) * scale
+
+
+def last_level_cache(sysfs: Path = CACHE_SYSFS) -> tuple[int | None, str]:
+    """Size of CPU 0's last-level cache in bytes, and where it was read.
+
+    From sysfs, the ``index*`` entry with the highest ``level`` (instruction caches left out,
+    the largest if a level has several); else glibc's sysconf for L3, then L2, through
+    ``getconf``; else ``(None, "unknown")``. On CPUs whose L3 is split between core complexes (AMD), this is one
+    complex's L3, the cache one process can fill.
+
+    Args:
+        sysfs: The cache directory of one CPU.
+
+    Returns:
+        ``(bytes or None, "sysfs L3" / "getconf L3" / "unknown")``.
+    """
+    best: tuple[int, int] | None = None  # (level, bytes)
+    for index in sorted(sysfs.glob("index*")):
+        try:
+            kind = (index / "type").read_text().strip()
+        except OSError:
+            kind = "Unified"
+        if kind == "Instruction":
+            continue
+        try:
+            entry = (int((index / "level").read_text()), _cache_size((index / "size").read_text()))
+        except (OSError, ValueError):
+            continue  # a missing or odd file: this entry says nothing
+        if entry[1] > 0 and (best is None or entry > best):
+            best = entry
+    if best:
+        return best[1], f"sysfs L{best[0]}"
+    for level in (3, 2):  # glibc's sysconf, which Python's os.sysconf does not name: ask getconf
+        try:
+            out = subprocess.run(["getconf", f"LEVEL{level}_CACHE_SIZE"], capture_output=True, text=True,
+                                 timeout=5).stdout
+            size = int(out.strip() or 0)
+        except (OSError, ValueError, subprocess.SubprocessError):
+            continue
+        if size > 0:
+            return size, f"getconf L{level}"
+    return None, "unknown"
+
+
+def transport_pool_items(llc_bytes: int | None = None) -> int:
+    """Images in the transport pool: at least 8x the last-level cache and at least 300 MB.
+
+    Args:
+        llc_bytes: The last-level cache in bytes (default: :func:`last_level_cache`); ``None``
+            when unknown, which leaves the 300 MB floor (enough for caches up to 37.5 MB).
+
+    Returns:
+        The number of 3x224x224 uint8 images (150,528 bytes each), rounded up.
+    """
+    if llc_bytes is None:
+        llc_bytes = last_level_cache()[0]
+    return math.ceil(max(POOL_LLC_FACTOR * (llc_bytes or 0), POOL_MIN_BYTES) / IMAGE_BYTES)
+
+
+# The last pool made, by its spec: a trial's fresh dataset reuses it rather than making 400 MB again.
+_POOL_CACHE: dict[tuple, list[torch.Tensor]] = {}
+
+
+def make_pool(shape: tuple[int, ...], dtype: str, pool_items: int, seed: int = 0) -> list[torch.Tensor]:
+    """``pool_items`` seeded tensors of ``shape``, made on the first call for this spec, then reused.
+
+    Making the transport pool (403 MB) took ~0.3-1.5 s and ~100,000 page faults per trial; the
+    items are never written, so every trial of a run, either loader's, reads the same pool. Only
+    the last spec's pool is kept.
+
+    Args:
+        shape: Shape of every item.
+        dtype: NumPy dtype name (``"uint8"``: uniform bytes, floats: normal, others: integers 0-255).
+        pool_items: Number of items.
+        seed: Seed of the generator.
+
+    Returns:
+        The items, one tensor each (as a real dataset returns them, not views of one block).
+    """
+    key = (tuple(shape), dtype, pool_items, seed)
+    if key not in _POOL_CACHE:
+        _POOL_CACHE.clear()  # drop the previous spec's pool before making this one
+        rng = np.random.default_rng(seed)
+        if np.dtype(dtype).kind == "f":
+            make = partial(rng.standard_normal, size=shape, dtype=dtype)
+        elif np.dtype(dtype) == np.uint8:
+            size = math.prod(shape)  # uniform bytes: 4x faster than integers(0, 256)
+            make = lambda: np.frombuffer(bytearray(rng.bytes(size)), np.uint8).reshape(shape)  # noqa: E731
+        else:
+            make = partial(rng.integers, 0, 256, size=shape, dtype=dtype)
+        _POOL_CACHE[key] = [torch.from_numpy(make()) for _ in range(pool_items)]
+    return _POOL_CACHE[key]
+
+
 class PoolDataset(Dataset):
     """Map-style dataset whose item ``i`` is ``pool[i % len(pool)]``, a pre-made tensor.
 
-    Items are made once, up front, so ``__getitem__`` costs almost nothing and a benchmark
-    measures the loader, not the dataset.
+    Items are made before the loader exists (:func:`make_pool`, once per process and spec), so
+    ``__getitem__`` costs almost nothing and a benchmark measures the loader, not the dataset.
 
     Args:
         length: Number of items the dataset reports.
@@ -48,13 +159,7 @@ class PoolDataset(Dataset):
     """
 
     def __init__(self, length: int, shape: tuple[int, ...], dtype: str, pool_items: int, seed: int = 0):
-        rng = np.random.default_rng(seed)
-        if np.dtype(dtype).kind == "f":
-            make = partial(rng.standard_normal, size=shape, dtype=dtype)
-        else:
-            make = partial(rng.integers, 0, 256, size=shape, dtype=dtype)
-        # One tensor per item, as a real dataset would return, rather than views of one block.
-        self.pool = [torch.from_numpy(make()) for _ in range(pool_items)]
+        self.pool = make_pool(shape, dtype, pool_items, seed)
         self.length = length
 
     def __len__(self) -> int:
@@ -83,22 +188,30 @@ class Workload:
     describe: dict[str, Any] = field(default_factory=dict)
 
 
-def transport(pool_items: int = TRANSPORT_POOL_ITEMS) -> Workload:
+def transport(pool_items: int | None = None) -> Workload:
     """64 uint8 images of 3x224x224 per batch (9.6 MB): how fast do bytes reach the consumer?
 
     Args:
-        pool_items: Number of distinct images; keep their total above the L3 cache size.
+        pool_items: Number of distinct images; default :func:`transport_pool_items`, at least
+            8x the last-level cache and 300 MB.
 
     Returns:
-        The transport workload.
+        The transport workload; ``describe`` gives the pool in MB and the cache it was sized against.
     """
+    llc, source = last_level_cache()
+    sized = pool_items is None
+    if sized:
+        pool_items = transport_pool_items(llc)
     spec = dict(shape=IMAGE_SHAPE, dtype="uint8", pool_items=pool_items)
     return Workload(
         name="transport",
         make_dataset=partial(PoolDataset, **spec),
         loader_kwargs=dict(batch_size=BATCH_SIZE),
         unit="GB/s",
-        describe=dict(spec, pool_mb=round(pool_items * np.prod(IMAGE_SHAPE) / 1e6, 1), batch_size=BATCH_SIZE),
+        describe=dict(spec, pool_mb=round(pool_items * IMAGE_BYTES / 1e6, 1), batch_size=BATCH_SIZE,
+                      llc_mb=None if llc is None else round(llc / 2**20, 1), llc_source=source,
+                      pool_llc_ratio=None if not llc else round(pool_items * IMAGE_BYTES / llc, 1),
+                      pool_sizing="8x LLC, >= 300 MB" if sized else "--pool-items"),
     )
 
 
@@ -121,17 +234,67 @@ def overhead(pool_items: int = 1024) -> Workload:
     )
 
 
-def startup(pool_items: int = TRANSPORT_POOL_ITEMS) -> Workload:
+def startup(pool_items: int = STARTUP_POOL_ITEMS) -> Workload:
     """The transport dataset, measured for time to first batch and peak memory of a short run.
 
     Args:
-        pool_items: Number of distinct images.
+        pool_items: Number of distinct images (default 256, 38.5 MB: startup does not measure bandwidth).
 
     Returns:
         The startup workload.
     """
     base = transport(pool_items)
-    return Workload("startup", base.make_dataset, base.loader_kwargs, base.unit, base.describe)
+    describe = {k: v for k, v in base.describe.items() if not k.startswith(("llc", "pool_llc", "pool_sizing"))}
+    return Workload("startup", base.make_dataset, base.loader_kwargs, base.unit, describe)
+
+
+# --- prefetch: a latency-bound dataset ------------------------------------------------------
+
+
+class SleepDataset(Dataset):
+    """Map-style dataset whose ``__getitem__`` sleeps ``sleep_s`` (``time.sleep``) and returns a tiny tensor.
+
+    The sleep releases the GIL and uses no CPU, as a read from remote storage would: a loader
+    can hide it only by having enough items in flight, which is what ``num_workers`` and
+    ``prefetch_factor`` decide.
+
+    Args:
+        length: Number of items the dataset reports.
+        sleep_s: Seconds each ``__getitem__`` sleeps.
+        shape: Shape of the float32 item returned, filled with its index.
+    """
+
+    def __init__(self, length: int, sleep_s: float = PREFETCH_SLEEP_S, shape: tuple[int, ...] = (16,)):
+        self.length, self.sleep_s, self.shape = length, sleep_s, shape
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        time.sleep(self.sleep_s)
+        return torch.full(self.shape, float(index))
+
+
+def prefetch(sleep_s: float = PREFETCH_SLEEP_S) -> Workload:
+    """16 items per batch, each taking ``sleep_s`` of sleep and no CPU: a latency-bound dataset.
+
+    A worker fetches a batch's items one after another, so a batch takes ~16 x 2 ms = 32 ms
+    of one worker, and the throughput is set by how many batches are in flight at once.
+
+    Args:
+        sleep_s: Seconds each item sleeps.
+
+    Returns:
+        The prefetch workload (``persistent_workers=True``, as its question asks of a steady state).
+    """
+    return Workload(
+        name="prefetch",
+        make_dataset=partial(SleepDataset, sleep_s=sleep_s),
+        loader_kwargs=dict(batch_size=PREFETCH_BATCH_SIZE, persistent_workers=True),
+        unit="batch/s",
+        describe=dict(sleep_ms=sleep_s * 1e3, item_shape=[16], dtype="float32", batch_size=PREFETCH_BATCH_SIZE,
+                      persistent_workers=True, sleep="time.sleep in __getitem__ (no CPU)"),
+    )
 
 
 # --- jpeg: generated JPEGs on disk, decoded with PIL in __getitem__ --------------------------

@@ -19,10 +19,11 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "benchmarks"
 FIGURES = {"throughput", "main_cpu_s", "tree_cpu_s", "peak_pss", "peak_pss_abs", "peak_footprint", "ttfb",
-           "ctor_ttfb"}
+           "ctor_ttfb", "ttfb_hot"}
 STATS = {"median", "min", "max", "candidate", "baseline", "unit"}
 RECORD = {"workload", "comparison", "round", "position", "role", "loader", "num_workers", "ttfb_s",
-          "batches_per_s", "bytes_per_s", "main_cpu_s", "tree_cpu_s", "pss_base_mb", "pss_peak_mb", "pss_delta_mb"}
+          "batches_per_s", "bytes_per_s", "main_cpu_s", "tree_cpu_s", "pss_base_mb", "pss_peak_mb", "pss_delta_mb",
+          "foot_delta_mb", "epoch_batches", "epochs", "ttfb_hot_s", "stop_s"}
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +57,67 @@ def run_quick(script: str, out: Path, env: dict, *extra: str) -> dict:
     return result
 
 
+def check_epochs(result: dict, n: int) -> None:
+    """Epoch-mode records: whole epochs of ``n`` batches, at least 2 timed, each with a hot time to first batch."""
+    recs = [r for r in result["rounds"] if r["epoch_batches"] == n]
+    assert recs
+    for rec in recs:
+        assert rec["epochs"] >= 2 and rec["batches"] == n * rec["epochs"] and rec["warmup"] == n
+        assert rec["ttfb_hot_s"] > 0 and rec["stop_s"] >= 0 and rec["batches_per_s"] > 0
+        assert rec["bytes"] == rec["batches"] * 64 * 3 * 224 * 224  # every timed batch, whole
+
+
 def test_transport(tmp_path, bench_env):
-    """transport.py compares same-nw and against torch at nw=0, with the 0.9x throughput bar."""
+    """transport.py by default runs epochs of two lengths (60 and 300; --quick shortens them to 6 and 12)."""
     result = run_quick("transport", tmp_path, bench_env)
-    assert set(result["summary"]) == {"transport nw=2", "transport nw=2 vs torch nw=0"}
-    assert result["summary"]["transport nw=2 vs torch nw=0"]["throughput"]["bar"] == ">=0.9"
-    assert result["summary"]["transport nw=2"]["throughput"]["unit"] == "GB/s"
-    assert len(result["rounds"]) == 2 * 2 * result["params"]["rounds"]
+    summary = result["summary"]
+    assert set(summary) == {f"transport nw=2{vs} epochs of {n}" for vs in ("", " vs torch nw=0") for n in (6, 12)}
+    for n in (6, 12):
+        check_epochs(result, n)
+        same, vs0 = summary[f"transport nw=2 epochs of {n}"], summary[f"transport nw=2 vs torch nw=0 epochs of {n}"]
+        assert same["throughput"]["bar"] == ">=6.0" and vs0["throughput"]["bar"] == ">=1.0"
+        assert same["throughput"]["unit"] == "GB/s" and same["ttfb_hot"]["median"] > 0
+        assert same["peak_footprint"]["candidate"] > 0
+    assert len(result["rounds"]) == 2 * 2 * 2 * result["params"]["rounds"]
+    assert all(c["candidate_kwargs"]["persistent_workers"] is False for c in result["params"]["comparisons"])
+    # The pool: at least 8x the last-level cache and 300 MB.
+    describe = result["workload"]["transport"]
+    assert describe["pool_mb"] >= 300 and describe["pool_sizing"] == "8x LLC, >= 300 MB"
+    if describe["llc_mb"] is not None:
+        assert describe["pool_mb"] >= 8 * describe["llc_mb"] * 2**20 / 1e6
+
+
+def test_transport_steady_state(tmp_path, bench_env):
+    """--epoch-batches 0 runs the steady state: one iterator, the 0.9x bar against torch at nw=0, no ttfb_hot."""
+    result = run_quick("transport", tmp_path, bench_env, "--epoch-batches", "0", "--pool-items", "64")
+    summary = result["summary"]
+    assert set(summary) == {"transport nw=2", "transport nw=2 vs torch nw=0"}
+    assert summary["transport nw=2 vs torch nw=0"]["throughput"]["bar"] == ">=0.9"
+    assert summary["transport nw=2"]["ttfb_hot"]["median"] is None
+    assert result["workload"]["transport"]["pool_items"] == 64
+    assert all(r["epoch_batches"] == 0 and r["ttfb_hot_s"] is None for r in result["rounds"])
+
+
+def test_pool_items_follow_llc(tmp_path):
+    """The transport pool is 8x the LLC read from sysfs (the highest level, not an instruction cache), or 300 MB."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import workloads
+    finally:
+        sys.path.remove(str(BENCH))
+    for index, (level, kind, size) in enumerate([(1, "Data", "48K"), (1, "Instruction", "32K"),
+                                                  (2, "Unified", "1280K"), (3, "Unified", "49152K")]):
+        d = tmp_path / f"index{index}"
+        d.mkdir()
+        (d / "level").write_text(f"{level}\n")
+        (d / "type").write_text(f"{kind}\n")
+        (d / "size").write_text(f"{size}\n")
+    assert workloads.last_level_cache(tmp_path) == (48 * 2**20, "sysfs L3")
+    size, source = workloads.last_level_cache(tmp_path / "absent")  # no sysfs: getconf, else unknown
+    assert source in ("getconf L3", "getconf L2", "unknown") and (size is None) == (source == "unknown")
+    assert workloads.transport_pool_items(48 * 2**20) == 2675  # 403 MB: 8x 48 MiB
+    assert workloads.transport_pool_items(8 * 2**20) == 1993  # 300 MB: the floor
+    assert workloads.transport_pool_items(None) * workloads.IMAGE_BYTES >= 300e6
 
 
 def test_overhead(tmp_path, bench_env):
@@ -73,12 +128,14 @@ def test_overhead(tmp_path, bench_env):
 
 
 def test_startup(tmp_path, bench_env):
-    """startup.py reports time to first batch and peak PSS with their 1.0x bars."""
+    """startup.py reports time to first batch of epochs 1 and 2+, and peak PSS, with their bars."""
     result = run_quick("startup", tmp_path, bench_env)
-    figures = result["summary"]["startup nw=2"]
+    figures = result["summary"]["startup nw=2 epochs of 10"]
     assert figures["ttfb"]["bar"] == "<=1.0" and figures["peak_pss"]["bar"] == "<=1.0"
-    assert figures["peak_footprint"]["bar"] == "<=1.0"
+    assert figures["peak_footprint"]["bar"] == "<=1.0" and figures["ttfb_hot"]["bar"] == "<=0.5"
     assert figures["ttfb"]["median"] > 0 and figures["peak_pss_abs"]["median"] > 0
+    assert figures["ttfb_hot"]["median"] > 0
+    check_epochs(result, 10)
 
 
 def test_startup_spawn(tmp_path, bench_env):
@@ -102,9 +159,25 @@ def test_jpeg(tmp_path, bench_env):
         # Every round runs all three sides, each first in a different round.
         assert sorted(r["role"] for r in result["rounds"] if r["position"] == 0) == ["baseline", "candidate"]
     assert result["workload"]["jpeg"]["batch_size"] == 64
+    assert summary["jpeg nw=2"]["peak_footprint"]["bar"] == "<=1.0"
+    assert summary["jpeg nw=2"]["peak_footprint"]["candidate"] > 0
     for figures in summary.values():
         assert figures["throughput"]["unit"] == "batch/s"
         assert figures["throughput"]["median"] > 0 and figures["tree_cpu_s"]["median"] > 0
+
+
+def test_prefetch(tmp_path, bench_env):
+    """prefetch.py compares at each num_workers and prefetch_factor, in batches/s, with the 0.97x bar."""
+    result = run_quick("prefetch", tmp_path, bench_env, "--num-workers", "1", "3", "--prefetch-factors", "1", "4")
+    summary = result["summary"]
+    assert set(summary) == {f"prefetch nw={nw} pf={pf}" for nw in (1, 3) for pf in (1, 4)}
+    for key, figures in summary.items():
+        assert figures["throughput"]["unit"] == "batch/s" and figures["throughput"]["bar"] == ">=0.97"
+        assert figures["throughput"]["median"] > 0
+    comps = {c["label"]: c["candidate_kwargs"] for c in result["params"]["comparisons"]}
+    assert comps["nw=3 pf=4"] == {"num_workers": 3, "prefetch_factor": 4}
+    assert result["workload"]["prefetch"]["persistent_workers"] is True
+    assert result["workload"]["prefetch"]["batch_size"] == 16
 
 
 def test_demo(tmp_path, bench_env):
