@@ -416,14 +416,14 @@ def run_epochs(loader_cls: type, workload: Any, kwargs: dict, epoch_batches: int
        constructor) is recorded, nothing else is timed. After its first batch, ``mem_batches``
        batches each followed by a PSS sample, with a thread sampling every ~10 ms (as phase 4 of
        :func:`run_trial`: queues fill as behind a slow training step); the rest unsampled.
-    2. Epochs 2 to ``epochs + 1``, timed: each from the ``iter(loader)`` call to its last batch,
-       so each epoch's start-up is in it. Throughput is all their batches over the sum of their
-       times; ``ttfb_hot_s`` is the median of their times to first batch; main-process and
-       process-tree CPU are summed over the same spans.
+    2. Epochs 2 to ``epochs + 1``, timed: each from the ``iter(loader)`` call to the ``next``
+       that raises ``StopIteration`` and the dropping of the iterator, so each epoch's start-up
+       and its end-of-epoch shutdown are in it, as in a training loop. Throughput is all their
+       batches over the sum of their times; ``ttfb_hot_s`` is the median of their times to first
+       batch; ``stop_s`` the median of their ends (from the last batch to the iterator's end);
+       main-process and process-tree CPU are summed over the same spans.
 
-    After the last batch of every epoch, outside its time, one PSS sample; then the ``next`` that
-    raises ``StopIteration`` and the dropping of the iterator (a loader's end-of-epoch shutdown)
-    are timed apart: ``stop_s`` is their median over the timed epochs (in no throughput).
+    After the last batch of epoch 1, one PSS sample (its workers still up).
 
     Args:
         loader_cls: A DataLoader-compatible class.
@@ -470,14 +470,8 @@ def run_epochs(loader_cls: type, workload: Any, kwargs: dict, epoch_batches: int
             while done < n:
                 got += touch(_next_batch(it, epoch, done, n))
                 done += 1
-            end = time.perf_counter()
-            ttfbs.append(first - start)
-            if timed:
-                main_cpu += _main_cpu_s() - cpu0
-                tree_cpu += _tree_cpu_s() - tree0
-                spans.append(end - start)
-                nbytes += got
-            mem.sample()  # the epoch's last batch is out, its workers still up
+            if not timed:
+                mem.sample()  # the epoch's last batch is out, its workers still up
             s0 = time.perf_counter()
             try:
                 next(it)
@@ -486,8 +480,14 @@ def run_epochs(loader_cls: type, workload: Any, kwargs: dict, epoch_batches: int
             else:
                 raise RuntimeError(f"epoch {epoch} yielded more than {n} batches")
             it = None  # the loader's end-of-epoch shutdown, if it waits for the iterator to go
+            end = time.perf_counter()
+            ttfbs.append(first - start)
             if timed:
-                stops.append(time.perf_counter() - s0)
+                main_cpu += _main_cpu_s() - cpu0
+                tree_cpu += _tree_cpu_s() - tree0
+                spans.append(end - start)
+                stops.append(end - s0)
+                nbytes += got
     finally:
         # Drop every reference so this trial's workers and buffers cannot pollute the next.
         del it, loader, dataset

@@ -3,8 +3,8 @@
 It keeps torch's bookkeeping (``_MultiProcessingDataLoaderIter``) line for line
 where that decides *which* batch goes to *which* worker, so batches, their
 order and per-worker random streams match torch. What changes is transport:
-a task carries a free ring slot, the worker collates into it, and the batch
-comes back as views of the slot.
+the worker claims a free slot of the loader's ring when it has a batch to
+write, collates into it, and the batch comes back as views of the slot.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
             replay_index = next(iter(self._index_sampler))  # what a task of an iterable asks for
         return dict(saved, mid_epoch=self._resume["mid_epoch"], replay_index=replay_index)
 
-    # -- epoch bookkeeping (torch's, plus a slot per task) -----------------------
+    # -- epoch bookkeeping (torch's) ----------------------------------------------
 
     def _reset(self, loader, first_iter=False) -> None:
         super()._reset(loader, first_iter)
@@ -324,7 +324,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
                 self._rcvd_idx += 1
             else:
                 if not self._persistent_workers and not self._staged:
-                    self._shutdown_workers()  # a device stage calls end_epoch() once it is done
+                    self._shutdown_workers(idle=True)  # a device stage calls end_epoch() once it is done
                 raise StopIteration
 
             task = self._task_info[self._rcvd_idx]
@@ -405,13 +405,14 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
 
     # -- shutdown -------------------------------------------------------------------
 
-    def _shutdown_workers(self, grace: float = STATUS_CHECK_S) -> None:
+    def _shutdown_workers(self, grace: float = STATUS_CHECK_S, idle: bool = False) -> None:
+        """Stop the workers; ``idle``: every task they were sent has been answered."""
         if self._shutdown:
             return
         self._shutdown = True
         _live.discard(self)
         try:
-            self._pool.stop(grace)
+            self._pool.stop(grace, idle)
         finally:
             self._forget_tasks()
             if self._pool.all_gone:  # nothing writes into the ring now: the next epoch may have it

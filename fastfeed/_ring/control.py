@@ -4,7 +4,10 @@ One small shared-memory segment per ring, made by the main process, mapped by ev
 worker. Its layout, declared once here::
 
     offset 0                 free bitmap: WORDS little-endian uint64, bit k set while slot k is free
-    offset BITMAP_BYTES      MAX_SLOTS entries of ENTRY_BYTES: the slot segment's name suffix
+    offset BITMAP_BYTES      header: two uint64, the number of slots, and the number at which a
+                             worker that finds none free waits briefly for one (WAIT_S) before
+                             it makes another
+    offset TABLE             MAX_SLOTS entries of ENTRY_BYTES: the slot segment's name suffix
                              (SUFFIX_LEN ASCII hex characters after the ring's prefix), then its
                              size in bytes (uint64)
 
@@ -16,6 +19,7 @@ memory: ``csrc/freelist.h``). Entries are parsed as fixed fields, never unpickle
 from __future__ import annotations
 
 import struct
+import time
 from typing import NamedTuple
 
 from .._native import C
@@ -25,9 +29,15 @@ MAX_SLOTS = 1024  # beyond this many batches alive at once, a batch gets a one-o
 WORDS = MAX_SLOTS // 64
 BITMAP_BYTES = WORDS * 8
 SUFFIX_LEN = 16  # segments.create names a segment prefix + 16 hex characters
+_HEADER = struct.Struct("<QQ")
+TABLE = BITMAP_BYTES + 64
 _ENTRY = struct.Struct(f"<{SUFFIX_LEN}sQ")
 ENTRY_BYTES = 32
-SIZE = BITMAP_BYTES + MAX_SLOTS * ENTRY_BYTES
+SIZE = TABLE + MAX_SLOTS * ENTRY_BYTES
+# A loop frees its previous batch just after it gets the next one, microseconds after the
+# worker may have been sent a new task: waiting this long for that slot, rather than making
+# one more, keeps the ring at the batches torch holds.
+WAIT_S = 0.002
 
 
 class Claimed(NamedTuple):
@@ -60,11 +70,24 @@ class Control:
         return self.segment.name
 
     def claim(self) -> Claimed | None:
-        """Take the lowest free slot, or None when every slot is in use."""
+        """Take the lowest free slot, or None when every slot is in use.
+
+        With exactly as many slots as the ring's ``wait_at``, wait up to WAIT_S for one to
+        be freed first. A ring that has grown past that holds batches the user keeps: no
+        slot is coming back soon, so there is no waiting.
+        """
         slot_id = C.claim_bit(self._words, WORDS)
         if slot_id < 0:
-            return None
-        suffix, size = _ENTRY.unpack_from(self._view, BITMAP_BYTES + slot_id * ENTRY_BYTES)
+            count, wait_at = _HEADER.unpack_from(self._view, BITMAP_BYTES)
+            if count != wait_at:
+                return None
+            deadline = time.monotonic() + WAIT_S
+            while slot_id < 0 and time.monotonic() < deadline:
+                time.sleep(WAIT_S / 20)
+                slot_id = C.claim_bit(self._words, WORDS)
+            if slot_id < 0:
+                return None
+        suffix, size = _ENTRY.unpack_from(self._view, TABLE + slot_id * ENTRY_BYTES)
         return Claimed(slot_id, self.prefix + suffix.decode("ascii"), size)
 
     def release(self, slot_id: int) -> None:
@@ -76,7 +99,11 @@ class Control:
         suffix = name[len(self.prefix):]
         if not name.startswith(self.prefix) or len(suffix) != SUFFIX_LEN:
             raise ValueError(f"segment {name!r} is not named under the ring's prefix {self.prefix!r}")
-        _ENTRY.pack_into(self._view, BITMAP_BYTES + slot_id * ENTRY_BYTES, suffix.encode("ascii"), size)
+        _ENTRY.pack_into(self._view, TABLE + slot_id * ENTRY_BYTES, suffix.encode("ascii"), size)
+
+    def set_counts(self, count: int, wait_at: int) -> None:
+        """Record the number of slots, and the number at which a worker waits for one (main process only)."""
+        _HEADER.pack_into(self._view, BITMAP_BYTES, count, wait_at)
 
     def is_free(self, slot_id: int) -> bool:
         word = int.from_bytes(self._view[slot_id // 64 * 8 : slot_id // 64 * 8 + 8], "little")

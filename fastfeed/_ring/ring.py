@@ -64,10 +64,10 @@ class Ring:
         # Unlinks the ring's names even if it is never closed cleanly.
         self._finalizer = weakref.finalize(self, segments.sweep, self.prefix)
         self.control = Control.create(self.prefix)
-        self.quiet = quiet
+        self._slots: list[Slot] = []
+        self.set_quiet(quiet)
         self.pin = pin
         self.numa_node = numa_node
-        self._slots: list[Slot] = []
         # Slots some tensor views. Leases discard from whichever thread drops the last
         # view; set.add and set.discard are atomic under the GIL, so no lock is needed.
         self._lent: set[int] = set()
@@ -102,7 +102,17 @@ class Ring:
             segments.unlink(made)  # mapped now; the name is no longer needed
             return seg
         self.control.publish(slot.slot_id, seg.name, seg.size)
+        self._publish_counts()
         return slot
+
+    def set_quiet(self, quiet: int) -> None:
+        """Set ``quiet`` (see the class); workers wait briefly for a slot rather than take the last of it."""
+        self.quiet = quiet
+        self._publish_counts()
+
+    def _publish_counts(self) -> None:
+        # The last of the quiet slots covers a batch the loop is about to free: wait for that.
+        self.control.set_counts(len(self._slots), self.quiet - 1)
 
     def _warn_if_kept(self) -> None:
         if len(self._slots) > self.quiet and not self._warned:

@@ -180,11 +180,12 @@ class ThreadPool:
         """Stop a worker that has nothing more to do (its IterableDataset ended)."""
         self._tasks[wid].put(m.Stop())
 
-    def stop(self, grace: float = STATUS_CHECK_S) -> None:
+    def stop(self, grace: float = STATUS_CHECK_S, idle: bool = False) -> None:
         """Ask every thread to exit; one still busy after ``grace`` (at most 1 s) is left behind.
 
-        An idle thread exits at once. A busy one cannot be killed, so waiting longer
-        would only hold up the caller; it exits when its current call returns.
+        An idle thread exits at once (so ``idle``, ``Pool.stop``'s hint, changes nothing
+        here). A busy one cannot be killed, so waiting longer would only hold up the
+        caller; it exits when its current call returns.
         """
         self._stopped = True
         for q in self._tasks:
