@@ -103,6 +103,12 @@ void register_freelist(py::module_& m) {
       "release_bit",
       [](std::uintptr_t words, std::size_t bit) { release_bit(reinterpret_cast<std::uint64_t*>(words), bit); },
       py::arg("words"), py::arg("bit"));
+  m.def(
+      "add_count",
+      [](std::uintptr_t counter, std::uint64_t delta) {
+        return add_count(reinterpret_cast<std::uint64_t*>(counter), delta);
+      },
+      py::arg("counter"), py::arg("delta"));
 }
 
 }  // namespace

@@ -21,4 +21,8 @@ void release_bit(std::uint64_t* words, std::size_t bit) {
   __atomic_fetch_or(&words[bit / 64], std::uint64_t{1} << (bit % 64), __ATOMIC_RELEASE);
 }
 
+std::uint64_t add_count(std::uint64_t* counter, std::uint64_t delta) {
+  return __atomic_add_fetch(counter, delta, __ATOMIC_RELAXED);
+}
+
 }  // namespace fastfeed

@@ -17,4 +17,7 @@ long claim_bit(std::uint64_t* words, std::size_t nwords);
 // Sets bit `bit` (release ordering: everything written before is visible to its claimer).
 void release_bit(std::uint64_t* words, std::size_t bit);
 
+// Adds `delta` to a counter that several processes update; returns the new value.
+std::uint64_t add_count(std::uint64_t* counter, std::uint64_t delta);
+
 }  // namespace fastfeed

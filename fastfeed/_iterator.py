@@ -26,7 +26,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_in
 from . import _pinning, _state, affinity, config
 from ._ring import layout
 from ._workers import messages as m
-from ._workers.loop import WorkerSpec, worker_main
+from ._workers.loop import WorkerSpec, preload, worker_main
 from ._workers.pool import STATUS_CHECK_S, Pool, WorkerDied
 from ._workers.threads import ThreadPool, thread_worker_main
 
@@ -105,17 +105,26 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
                 lambda wid: (wid, spec, ring.control, lambda claimed: ring.segment(claimed.slot_id)), dump_s,
             )  # fmt: skip
         else:
+            preload()
             parent = os.getpid()
             try:
+                # Worker 0 gets its first tasks while the others are forked.
                 self._pool = Pool(
                     context, self._num_workers, worker_main,
                     lambda wid: (wid, spec, parent, self._worker_resume(wid)), dump_s,
+                    first_started=lambda pool: self._start_epoch(loader, pool),
                 )  # fmt: skip
             except BaseException:
                 self._ring.in_use = False  # the workers that started are stopped: none writes into it
                 raise
         self._shutdown = False
         _live.add(self)
+        if self._threads:
+            self._start_epoch(loader, self._pool)
+
+    def _start_epoch(self, loader, pool) -> None:
+        """Send the first tasks (``pool`` may still be starting its other workers)."""
+        self._pool = pool
         self._reset(loader, first_iter=True)
 
     def _pin_slots(self, wanted: bool) -> bool:

@@ -773,6 +773,19 @@ void test_freelist_threads_never_share_a_slot() {
   CHECK_EQ(words[0] & words[1], ~std::uint64_t{0});
 }
 
+void test_add_count_from_threads() {
+  std::uint64_t counter = 5;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&counter]() {
+      for (int i = 0; i < 10000; ++i) fastfeed::add_count(&counter, 1);
+    });
+  }
+  for (auto& th : threads) th.join();
+  CHECK_EQ(counter, std::uint64_t{40005});
+  CHECK_EQ(fastfeed::add_count(&counter, 0), std::uint64_t{40005});
+}
+
 // --- final sweep ---------------------------------------------------------------------------
 
 void test_every_name_cleaned_up() {
@@ -810,6 +823,7 @@ int main() {
       {"threads", test_threads},
       {"freelist_claims_lowest_and_empties", test_freelist_claims_lowest_and_empties},
       {"freelist_threads_never_share_a_slot", test_freelist_threads_never_share_a_slot},
+      {"add_count_from_threads", test_add_count_from_threads},
       {"every_name_cleaned_up", test_every_name_cleaned_up},
   };
   for (const Test& t : tests) {

@@ -4,9 +4,10 @@ One small shared-memory segment per ring, made by the main process, mapped by ev
 worker. Its layout, declared once here::
 
     offset 0                 free bitmap: WORDS little-endian uint64, bit k set while slot k is free
-    offset BITMAP_BYTES      header: two uint64, the number of slots, and the number at which a
-                             worker that finds none free waits briefly for one (WAIT_S) before
-                             it makes another
+    offset BITMAP_BYTES      header: two uint64, the number of slot segments workers have made
+                             (each adds one as it makes one), and the number at which a worker
+                             that finds no slot free waits briefly for one (WAIT_S) before it
+                             makes another
     offset TABLE             MAX_SLOTS entries of ENTRY_BYTES: the slot segment's name suffix
                              (SUFFIX_LEN ASCII hex characters after the ring's prefix), then its
                              size in bytes (uint64)
@@ -30,6 +31,7 @@ WORDS = MAX_SLOTS // 64
 BITMAP_BYTES = WORDS * 8
 SUFFIX_LEN = 16  # segments.create names a segment prefix + 16 hex characters
 _HEADER = struct.Struct("<QQ")
+_WORD = struct.Struct("<Q")
 TABLE = BITMAP_BYTES + 64
 _ENTRY = struct.Struct(f"<{SUFFIX_LEN}sQ")
 ENTRY_BYTES = 32
@@ -72,8 +74,8 @@ class Control:
     def claim(self) -> Claimed | None:
         """Take the lowest free slot, or None when every slot is in use.
 
-        With exactly as many slots as the ring's ``wait_at``, wait up to WAIT_S for one to
-        be freed first. A ring that has grown past that holds batches the user keeps: no
+        With exactly as many slots made as the ring's ``wait_at``, wait up to WAIT_S for one
+        to be freed first. A ring that has grown past that holds batches the user keeps: no
         slot is coming back soon, so there is no waiting.
         """
         slot_id = C.claim_bit(self._words, WORDS)
@@ -101,9 +103,13 @@ class Control:
             raise ValueError(f"segment {name!r} is not named under the ring's prefix {self.prefix!r}")
         _ENTRY.pack_into(self._view, TABLE + slot_id * ENTRY_BYTES, suffix.encode("ascii"), size)
 
-    def set_counts(self, count: int, wait_at: int) -> None:
-        """Record the number of slots, and the number at which a worker waits for one (main process only)."""
-        _HEADER.pack_into(self._view, BITMAP_BYTES, count, wait_at)
+    def made_one(self) -> None:
+        """Count a new slot segment (by the worker that makes it, before the ring adopts it)."""
+        C.add_count(self._words + BITMAP_BYTES, 1)
+
+    def set_wait_at(self, wait_at: int) -> None:
+        """Set the number of slots made at which a worker waits for a free one (main process only)."""
+        _WORD.pack_into(self._view, BITMAP_BYTES + 8, wait_at)
 
     def is_free(self, slot_id: int) -> bool:
         word = int.from_bytes(self._view[slot_id // 64 * 8 : slot_id // 64 * 8 + 8], "little")

@@ -102,17 +102,15 @@ class Ring:
             segments.unlink(made)  # mapped now; the name is no longer needed
             return seg
         self.control.publish(slot.slot_id, seg.name, seg.size)
-        self._publish_counts()
         return slot
 
     def set_quiet(self, quiet: int) -> None:
-        """Set ``quiet`` (see the class); workers wait briefly for a slot rather than take the last of it."""
+        """Set ``quiet`` (see the class) and where workers wait briefly for a slot rather than make one."""
         self.quiet = quiet
-        self._publish_counts()
-
-    def _publish_counts(self) -> None:
-        # The last of the quiet slots covers a batch the loop is about to free: wait for that.
-        self.control.set_counts(len(self._slots), self.quiet - 1)
+        # With one slot per batch in flight, a worker that finds none free waits briefly: the
+        # loop is about to free the batch it holds, as torch's memory would. If it does not
+        # (it holds its batch through a long step), one slot more, and no waiting after that.
+        self.control.set_wait_at(quiet - 2)
 
     def _warn_if_kept(self) -> None:
         if len(self._slots) > self.quiet and not self._warned:

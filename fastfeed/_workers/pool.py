@@ -64,58 +64,76 @@ class Clock:
 
 
 class Worker:
-    __slots__ = ("worker_id", "process", "tasks", "results", "poller")
+    __slots__ = ("worker_id", "process", "tasks", "results", "poller", "_child_ends")
 
-    def __init__(self, worker_id, process, tasks, results):
+    def __init__(self, worker_id, context):
         self.worker_id = worker_id
-        self.process = process
-        self.tasks = tasks  # main's write end
-        self.results = results  # main's read end
+        self.process = None  # until launched
+        task_r, self.tasks = context.Pipe(duplex=False)  # main writes tasks
+        self.results, res_w = context.Pipe(duplex=False)  # main reads results
+        self._child_ends = (task_r, res_w)
         self.poller = select.poll()
-        self.poller.register(results.fileno(), _READY)
-        self.poller.register(process.sentinel, _READY)
+        self.poller.register(self.results.fileno(), _READY)
+
+    def launch(self, context, target, args) -> None:
+        task_r, res_w = self._child_ends
+        p = context.Process(target=target, args=(*args, task_r, res_w), daemon=True)
+        try:
+            p.start()
+        except (TypeError, AttributeError, PicklingError):
+            # As torch: warn, then raise. Its warning names the line of DataLoader._get_iterator that
+            # makes the iterator; so does this one (launch < Pool < iterator < _get_iterator).
+            warnings.warn(PICKLE_WARNING, stacklevel=4)
+            raise
+        finally:
+            # The child holds its own ends now. Closing ours means a dead
+            # worker shows as EOF, and a dead parent as EOF in the worker.
+            self.close_child_ends()
+        self.process = p
+        self.poller.register(p.sentinel, _READY)
+
+    def close_child_ends(self) -> None:
+        for end in self._child_ends:
+            end.close()
+        self._child_ends = ()
 
 
 class Pool:
-    """Start ``num_workers`` processes running ``target(worker_id, *args, tasks, results)``."""
+    """Start ``num_workers`` processes running ``target(worker_id, *args, tasks, results)``.
 
-    def __init__(self, context, num_workers, target, args_for, hang_dump_s: float = 0):
+    ``first_started(pool)`` runs once worker 0 is up and before the others start: tasks sent
+    then (to any worker: every pipe exists already) let worker 0 begin while the rest are
+    forked, each fork being a copy of this process's page tables that takes milliseconds.
+    """
+
+    def __init__(self, context, num_workers, target, args_for, hang_dump_s: float = 0, first_started=None):
         self.hang_dump_s = hang_dump_s  # 0: never dump stacks by itself
         self.all_gone = False  # after stop(): every worker process has exited
         self.workers: list[Worker] = []
         self._any = select.poll()
         self._fd_owner: dict[int, Worker] = {}
         try:
-            for wid in range(num_workers):
-                self._start(context, wid, target, args_for(wid))
+            self.workers = [Worker(wid, context) for wid in range(num_workers)]
+            args = [args_for(wid) for wid in range(num_workers)]  # all before first_started changes anything
+            for w in self.workers:
+                w.launch(context, target, args[w.worker_id])
+                for fd in (w.results.fileno(), w.process.sentinel):
+                    self._any.register(fd, _READY)
+                    self._fd_owner[fd] = w
+                if w.worker_id == 0 and first_started is not None:
+                    first_started(self)
         except BaseException:
+            started = []
+            for w in self.workers:
+                if w.process is None:  # never started: only its pipes to close
+                    w.close_child_ends()
+                    w.tasks.close()
+                    w.results.close()
+                else:
+                    started.append(w)
+            self.workers = started
             self.stop()  # a worker that failed to start must not strand the others
             raise
-
-    def _start(self, context, wid, target, args) -> None:
-        task_r, task_w = context.Pipe(duplex=False)
-        res_r, res_w = context.Pipe(duplex=False)
-        p = context.Process(target=target, args=(*args, task_r, res_w), daemon=True)
-        try:
-            p.start()
-        except BaseException as error:
-            task_w.close()
-            res_r.close()
-            if isinstance(error, (TypeError, AttributeError, PicklingError)):
-                # As torch: warn, then raise. Its warning names the line of DataLoader._get_iterator
-                # that makes the iterator; so does this one (_start < Pool < iterator < _get_iterator).
-                warnings.warn(PICKLE_WARNING, stacklevel=4)
-            raise
-        finally:
-            # The child holds its own ends now. Closing ours means a dead
-            # worker shows as EOF, and a dead parent as EOF in the worker.
-            task_r.close()
-            res_w.close()
-        w = Worker(wid, p, task_w, res_r)
-        self.workers.append(w)
-        for fd in (res_r.fileno(), p.sentinel):
-            self._any.register(fd, _READY)
-            self._fd_owner[fd] = w
 
     @property
     def pids(self):
@@ -251,3 +269,4 @@ def _reap(procs, grace: float) -> None:
             p.join(timeout=STATUS_CHECK_S)
         if not p.is_alive():
             p.close()
+
