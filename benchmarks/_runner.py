@@ -3,7 +3,7 @@
 Absolute times do not carry between runs on shared machines, so every figure is a ratio
 measured here and now: each round runs torch and the candidate back to back, alternating
 which goes first (A B, B A, ...), and the summary is the median, min and max of the
-per-round ratios. See /work/shared/BENCHMARKS.md.
+per-round ratios (the method is in benchmarks/README.md).
 
 The candidate is ``fastfeed.DataLoader``. ``FASTFEED_BENCH_CANDIDATE=torch`` (or the hidden
 ``--candidate torch`` flag) substitutes torch's own DataLoader, named ``torch*``, which checks

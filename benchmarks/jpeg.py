@@ -16,26 +16,16 @@ also counts torch's in-flight batches that no process maps; bar for fastfeed-pro
 
 Run: .venv/bin/python benchmarks/jpeg.py [--quick] [--rounds N] [--num-workers 1 2 4] [--out DIR]
 
-Measured (before peak_footprint had its bar: its fastfeed-process/torch line would now end `bar <=1.0x MISSED`):
-  (2026-11-29, 2-core VM, torch 2.13 CPU, `.venv/bin/python benchmarks/jpeg.py`)
-  jpeg nw=2  fastfeed-process/torch throughput  median 1.14x (min 0.68x, max 1.17x)  fastfeed-process 29 batch/s  torch 25.7 batch/s
-  jpeg nw=2  fastfeed-process/torch main_cpu_s  median 0.15x (min 0.12x, max 0.20x)  fastfeed-process 0.0302 s  torch 0.197 s
-  jpeg nw=2  fastfeed-process/torch tree_cpu_s  median 0.89x (min 0.86x, max 0.95x)  fastfeed-process 6.81 s  torch 7.57 s
-  jpeg nw=2  fastfeed-process/torch peak_pss  median 1.49x (min 1.44x, max 1.84x)  fastfeed-process 79.8 MB  torch 52.7 MB
-  jpeg nw=2  fastfeed-process/torch peak_footprint  median 1.25x (min 1.12x, max 1.34x)  fastfeed-process 78.8 MB  torch 63.4 MB
-  jpeg nw=2  fastfeed-process/torch ttfb  median 0.98x (min 0.90x, max 1.11x)  fastfeed-process 107 ms  torch 108 ms
-  jpeg nw=2  fastfeed-thread/torch throughput  median 1.01x (min 0.62x, max 1.07x)  fastfeed-thread 25.8 batch/s  torch 25.7 batch/s
-  jpeg nw=2  fastfeed-thread/torch main_cpu_s  median 36.09x (min 31.79x, max 38.53x)  fastfeed-thread 7.05 s  torch 0.197 s
-  jpeg nw=2  fastfeed-thread/torch tree_cpu_s  median 0.93x (min 0.91x, max 0.97x)  fastfeed-thread 7.05 s  torch 7.57 s
-  jpeg nw=2  fastfeed-thread/torch peak_pss  median 1.11x (min 1.06x, max 1.33x)  fastfeed-thread 59 MB  torch 52.7 MB
-  jpeg nw=2  fastfeed-thread/torch peak_footprint  median 0.92x (min 0.82x, max 0.99x)  fastfeed-thread 57.7 MB  torch 63.4 MB
-  jpeg nw=2  fastfeed-thread/torch ttfb  median 0.81x (min 0.70x, max 1.41x)  fastfeed-thread 86.6 ms  torch 108 ms
-  jpeg nw=2  fastfeed-thread/fastfeed-process throughput  median 0.89x (min 0.66x, max 1.08x)  fastfeed-thread 25.8 batch/s  fastfeed-process 29 batch/s
-  jpeg nw=2  fastfeed-thread/fastfeed-process main_cpu_s  median 235.89x (min 187.40x, max 276.43x)  fastfeed-thread 7.05 s  fastfeed-process 0.0302 s
-  jpeg nw=2  fastfeed-thread/fastfeed-process tree_cpu_s  median 1.05x (min 0.96x, max 1.10x)  fastfeed-thread 7.05 s  fastfeed-process 6.81 s
-  jpeg nw=2  fastfeed-thread/fastfeed-process peak_pss  median 0.73x (min 0.72x, max 0.76x)  fastfeed-thread 59 MB  fastfeed-process 79.8 MB
-  jpeg nw=2  fastfeed-thread/fastfeed-process peak_footprint  median 0.73x (min 0.70x, max 0.77x)  fastfeed-thread 57.7 MB  fastfeed-process 78.8 MB
-  jpeg nw=2  fastfeed-thread/fastfeed-process ttfb  median 0.81x (min 0.74x, max 1.40x)  fastfeed-thread 86.6 ms  fastfeed-process 107 ms
+Measured:
+  (2026-11-30, 2-core VM, torch 2.13 CPU, commit 970c6ef, `.venv/bin/python benchmarks/jpeg.py`)
+  jpeg nw=2  fastfeed-process/torch throughput  median 0.98x (min 0.92x, max 1.33x)  fastfeed-process 12.5 batch/s  torch 12.6 batch/s
+  jpeg nw=2  fastfeed-process/torch main_cpu_s  median 0.22x (min 0.19x, max 0.27x)  fastfeed-process 0.0557 s  torch 0.263 s
+  jpeg nw=2  fastfeed-process/torch tree_cpu_s  median 0.96x (min 0.85x, max 1.06x)  fastfeed-process 13.4 s  torch 14.1 s
+  jpeg nw=2  fastfeed-process/torch peak_pss  median 1.34x (min 1.16x, max 1.68x)  fastfeed-process 64.2 MB  torch 47.6 MB
+  jpeg nw=2  fastfeed-process/torch peak_footprint  median 1.19x (min 1.08x, max 1.30x)  fastfeed-process 64.2 MB  torch 54.4 MB  bar <=1.0x MISSED
+  jpeg nw=2  fastfeed-process/torch ttfb  median 0.80x (min 0.40x, max 1.15x)  fastfeed-process 180 ms  torch 209 ms
+  jpeg nw=2  fastfeed-thread/torch throughput  median 0.83x (min 0.51x, max 1.14x)  fastfeed-thread 9.46 batch/s  torch 12.6 batch/s
+  jpeg nw=2  fastfeed-thread/torch peak_footprint  median 0.85x (min 0.71x, max 1.03x)  fastfeed-thread 48 MB  torch 54.4 MB
 """
 
 from __future__ import annotations

@@ -16,7 +16,41 @@ Run: .venv/bin/python benchmarks/prefetch.py [--quick] [--rounds N] [--num-worke
      [--prefetch-factors 1 2 ... 8] [--out DIR]
 
 Measured:
-  Pending a full run.
+  (2026-11-30, 2-core VM, torch 2.13 CPU, `.venv/bin/python benchmarks/prefetch.py`)
+  throughput medians, fastfeed/torch: 31 of 32 >= 0.97x; lowest 0.96x (prefetch nw=4 pf=3), median of medians 1.01x, highest 1.15x
+  rerun of nw=4 alone (`--num-workers 4`): all 8 >= 0.97x, lowest 0.98x (prefetch nw=4 pf=4)
+  prefetch nw=1 pf=1  fastfeed/torch throughput  median 1.04x (min 1.02x, max 1.07x)  fastfeed 25.2 batch/s  torch 24.6 batch/s  bar >=0.97x ok
+  prefetch nw=1 pf=2  fastfeed/torch throughput  median 1.00x (min 1.00x, max 1.03x)  fastfeed 27.4 batch/s  torch 27.5 batch/s  bar >=0.97x ok
+  prefetch nw=1 pf=3  fastfeed/torch throughput  median 0.99x (min 0.89x, max 1.02x)  fastfeed 26 batch/s  torch 26.2 batch/s  bar >=0.97x ok
+  prefetch nw=1 pf=4  fastfeed/torch throughput  median 1.00x (min 0.99x, max 1.05x)  fastfeed 28.3 batch/s  torch 28.2 batch/s  bar >=0.97x ok
+  prefetch nw=1 pf=5  fastfeed/torch throughput  median 1.03x (min 1.00x, max 1.09x)  fastfeed 27.7 batch/s  torch 25.6 batch/s  bar >=0.97x ok
+  prefetch nw=1 pf=6  fastfeed/torch throughput  median 1.01x (min 0.96x, max 1.03x)  fastfeed 26.1 batch/s  torch 26.6 batch/s  bar >=0.97x ok
+  prefetch nw=1 pf=7  fastfeed/torch throughput  median 1.02x (min 1.00x, max 1.04x)  fastfeed 28.1 batch/s  torch 28.1 batch/s  bar >=0.97x ok
+  prefetch nw=1 pf=8  fastfeed/torch throughput  median 1.03x (min 1.01x, max 1.03x)  fastfeed 28 batch/s  torch 27.6 batch/s  bar >=0.97x ok
+  prefetch nw=2 pf=1  fastfeed/torch throughput  median 1.04x (min 1.03x, max 1.04x)  fastfeed 55 batch/s  torch 52.8 batch/s  bar >=0.97x ok
+  prefetch nw=2 pf=2  fastfeed/torch throughput  median 0.99x (min 0.97x, max 1.01x)  fastfeed 55.5 batch/s  torch 56.3 batch/s  bar >=0.97x ok
+  prefetch nw=2 pf=3  fastfeed/torch throughput  median 1.01x (min 0.98x, max 1.02x)  fastfeed 55.6 batch/s  torch 55 batch/s  bar >=0.97x ok
+  prefetch nw=2 pf=4  fastfeed/torch throughput  median 1.00x (min 0.99x, max 1.07x)  fastfeed 55.6 batch/s  torch 56.4 batch/s  bar >=0.97x ok
+  prefetch nw=2 pf=5  fastfeed/torch throughput  median 0.99x (min 0.97x, max 1.02x)  fastfeed 54.7 batch/s  torch 55.2 batch/s  bar >=0.97x ok
+  prefetch nw=2 pf=6  fastfeed/torch throughput  median 1.12x (min 1.00x, max 1.15x)  fastfeed 49.2 batch/s  torch 43.5 batch/s  bar >=0.97x ok
+  prefetch nw=2 pf=7  fastfeed/torch throughput  median 1.03x (min 1.02x, max 1.13x)  fastfeed 55 batch/s  torch 54 batch/s  bar >=0.97x ok
+  prefetch nw=2 pf=8  fastfeed/torch throughput  median 1.08x (min 1.05x, max 1.09x)  fastfeed 53.7 batch/s  torch 49.1 batch/s  bar >=0.97x ok
+  prefetch nw=3 pf=1  fastfeed/torch throughput  median 1.11x (min 0.88x, max 1.18x)  fastfeed 77.8 batch/s  torch 77.8 batch/s  bar >=0.97x ok
+  prefetch nw=3 pf=2  fastfeed/torch throughput  median 0.98x (min 0.98x, max 1.02x)  fastfeed 85.8 batch/s  torch 85.6 batch/s  bar >=0.97x ok
+  prefetch nw=3 pf=3  fastfeed/torch throughput  median 0.99x (min 0.98x, max 1.00x)  fastfeed 85.4 batch/s  torch 85.8 batch/s  bar >=0.97x ok
+  prefetch nw=3 pf=4  fastfeed/torch throughput  median 1.03x (min 0.92x, max 1.05x)  fastfeed 85.9 batch/s  torch 83.5 batch/s  bar >=0.97x ok
+  prefetch nw=3 pf=5  fastfeed/torch throughput  median 0.99x (min 0.98x, max 0.99x)  fastfeed 84 batch/s  torch 84.9 batch/s  bar >=0.97x ok
+  prefetch nw=3 pf=6  fastfeed/torch throughput  median 0.99x (min 0.98x, max 1.02x)  fastfeed 83.5 batch/s  torch 81.6 batch/s  bar >=0.97x ok
+  prefetch nw=3 pf=7  fastfeed/torch throughput  median 1.05x (min 0.92x, max 1.14x)  fastfeed 79.9 batch/s  torch 79.8 batch/s  bar >=0.97x ok
+  prefetch nw=3 pf=8  fastfeed/torch throughput  median 1.00x (min 0.97x, max 1.07x)  fastfeed 84.4 batch/s  torch 86.7 batch/s  bar >=0.97x ok
+  prefetch nw=4 pf=1  fastfeed/torch throughput  median 1.02x (min 1.01x, max 1.03x)  fastfeed 114 batch/s  torch 111 batch/s  bar >=0.97x ok
+  prefetch nw=4 pf=2  fastfeed/torch throughput  median 1.00x (min 0.92x, max 1.02x)  fastfeed 117 batch/s  torch 117 batch/s  bar >=0.97x ok
+  prefetch nw=4 pf=3  fastfeed/torch throughput  median 0.96x (min 0.93x, max 1.01x)  fastfeed 116 batch/s  torch 121 batch/s  bar >=0.97x MISSED
+  prefetch nw=4 pf=4  fastfeed/torch throughput  median 1.00x (min 1.00x, max 1.02x)  fastfeed 117 batch/s  torch 117 batch/s  bar >=0.97x ok
+  prefetch nw=4 pf=5  fastfeed/torch throughput  median 0.97x (min 0.97x, max 1.03x)  fastfeed 119 batch/s  torch 118 batch/s  bar >=0.97x ok
+  prefetch nw=4 pf=6  fastfeed/torch throughput  median 1.00x (min 0.92x, max 1.00x)  fastfeed 117 batch/s  torch 119 batch/s  bar >=0.97x ok
+  prefetch nw=4 pf=7  fastfeed/torch throughput  median 1.02x (min 0.88x, max 1.14x)  fastfeed 114 batch/s  torch 113 batch/s  bar >=0.97x ok
+  prefetch nw=4 pf=8  fastfeed/torch throughput  median 1.15x (min 1.06x, max 1.25x)  fastfeed 104 batch/s  torch 86.4 batch/s  bar >=0.97x ok
 """
 
 from __future__ import annotations

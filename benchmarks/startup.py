@@ -18,11 +18,13 @@ Run: .venv/bin/python benchmarks/startup.py [--quick] [--rounds N] [--num-worker
      [--mp-context spawn] [--out DIR]
 
 Measured:
-  ttfb_hot pending a full run. Before it (a single 30-batch iterator, the same 256-image pool):
-  (2026-11-29, 2-core VM, torch 2.13 CPU, `.venv/bin/python benchmarks/startup.py`)
-  startup nw=2  fastfeed/torch ttfb  median 0.61x (min 0.39x, max 0.86x)  fastfeed 21.8 ms  torch 38.5 ms  bar <=1.0x ok
-  startup nw=2  fastfeed/torch peak_pss  median 2.06x (min 1.51x, max 2.07x)  fastfeed 50.2 MB  torch 24.4 MB  bar <=1.0x MISSED
-  startup nw=2  fastfeed/torch peak_footprint  median 0.94x (min 0.80x, max 0.94x)  fastfeed 50.2 MB  torch 53.4 MB  bar <=1.0x ok
+  (2026-11-30, 2-core VM, torch 2.13 CPU, commit 970c6ef, `.venv/bin/python benchmarks/startup.py`)
+  startup nw=2 epochs of 30  fastfeed/torch ttfb  median 0.61x (min 0.43x, max 0.77x)  fastfeed 37.4 ms  torch 62.4 ms  bar <=1.0x ok
+  startup nw=2 epochs of 30  fastfeed/torch ctor_ttfb  median 0.62x (min 0.43x, max 0.77x)  fastfeed 37.5 ms  torch 62.6 ms
+  startup nw=2 epochs of 30  fastfeed/torch ttfb_hot  median 0.58x (min 0.35x, max 1.21x)  fastfeed 37.7 ms  torch 62.9 ms  bar <=0.5x MISSED
+  startup nw=2 epochs of 30  fastfeed/torch peak_pss  median 2.12x (min 1.53x, max 2.13x)  fastfeed 51.6 MB  torch 24.4 MB  bar <=1.0x MISSED
+  startup nw=2 epochs of 30  fastfeed/torch peak_footprint  median 0.97x (min 0.83x, max 0.97x)  fastfeed 51.6 MB  torch 53.3 MB  bar <=1.0x ok
+  startup nw=2 epochs of 30  fastfeed/torch peak_pss_abs  median 1.13x (min 1.08x, max 1.13x)  fastfeed 243 MB  torch 216 MB
 """
 
 from __future__ import annotations

@@ -18,17 +18,27 @@ Run: .venv/bin/python benchmarks/transport.py [--quick] [--rounds N] [--num-work
      [--epoch-batches 0 60 300] [--pool-items N] [--out DIR]
 
 Measured:
-  Epoch-mode figures (403 MB pool) pending a full run.
-  Before issue 9 (steady state, a 256-image 38.5 MB pool, which this machine's 48 MiB L3 holds):
-  (2026-11-29, 2-core VM, torch 2.13 CPU, `.venv/bin/python benchmarks/transport.py`)
-  transport nw=2  fastfeed/torch throughput  median 10.32x (min 9.70x, max 11.63x)  fastfeed 17.6 GB/s  torch 1.71 GB/s
-  transport nw=2  fastfeed/torch peak_pss  median 1.97x (min 1.48x, max 2.04x)  fastfeed 50.1 MB  torch 25.6 MB
-  transport nw=2  fastfeed/torch peak_footprint  median 0.93x (min 0.88x, max 0.93x)  fastfeed 50.1 MB  torch 54 MB
-  transport nw=2  fastfeed/torch ttfb  median 0.56x (min 0.42x, max 0.62x)  fastfeed 23.8 ms  torch 44.4 ms
-  transport nw=2 vs torch nw=0  fastfeed/torch throughput  median 0.95x (min 0.78x, max 1.10x)  fastfeed 17.3 GB/s  torch 18.7 GB/s  bar >=0.9x ok
-  transport nw=2 vs torch nw=0  fastfeed/torch peak_pss  median 0.74x (min 0.74x, max 5.14x)  fastfeed 49.6 MB  torch 67.4 MB
-  transport nw=2 vs torch nw=0  fastfeed/torch peak_footprint  median 0.74x (min 0.73x, max 5.14x)  fastfeed 49.6 MB  torch 67.4 MB
-  transport nw=2 vs torch nw=0  fastfeed/torch ttfb  median 6.52x (min 6.27x, max 7.71x)  fastfeed 24.1 ms  torch 3.23 ms
+  (2026-11-30, 2-core VM, torch 2.13 CPU, commit 970c6ef, `.venv/bin/python benchmarks/transport.py`)
+  transport nw=2 epochs of 60  fastfeed/torch throughput  median 2.80x (min 2.63x, max 3.16x)  fastfeed 3.05 GB/s  torch 1.03 GB/s  bar >=6.0x MISSED
+  transport nw=2 epochs of 60  fastfeed/torch main_cpu_s  median 0.36x (min 0.33x, max 0.42x)  fastfeed 0.259 s  torch 0.649 s
+  transport nw=2 epochs of 60  fastfeed/torch peak_footprint  median 0.94x (min 0.94x, max 1.11x)  fastfeed 52.4 MB  torch 55.8 MB
+  transport nw=2 epochs of 60  fastfeed/torch ttfb  median 0.66x (min 0.57x, max 0.85x)  fastfeed 56.8 ms  torch 74.3 ms
+  transport nw=2 epochs of 60  fastfeed/torch ttfb_hot  median 0.72x (min 0.54x, max 0.86x)  fastfeed 56.5 ms  torch 75.8 ms
+  transport nw=2 vs torch nw=0 epochs of 60  fastfeed/torch throughput  median 0.48x (min 0.29x, max 0.49x)  fastfeed 2.12 GB/s  torch 6.07 GB/s  bar >=1.0x MISSED
+  transport nw=2 vs torch nw=0 epochs of 60  fastfeed/torch main_cpu_s  median 0.34x (min 0.32x, max 0.47x)  fastfeed 0.292 s  torch 0.748 s
+  transport nw=2 vs torch nw=0 epochs of 60  fastfeed/torch peak_footprint  median 5.41x (min 5.40x, max 6.43x)  fastfeed 52.1 MB  torch 9.63 MB
+  transport nw=2 vs torch nw=0 epochs of 60  fastfeed/torch ttfb  median 1.58x (min 0.98x, max 5.22x)  fastfeed 76.9 ms  torch 35.2 ms
+  transport nw=2 vs torch nw=0 epochs of 60  fastfeed/torch ttfb_hot  median 40.73x (min 26.02x, max 65.00x)  fastfeed 73.8 ms  torch 1.84 ms
+  transport nw=2 epochs of 300  fastfeed/torch throughput  median 3.60x (min 3.34x, max 6.10x)  fastfeed 4.15 GB/s  torch 1.08 GB/s  bar >=6.0x MISSED
+  transport nw=2 epochs of 300  fastfeed/torch main_cpu_s  median 0.18x (min 0.13x, max 0.19x)  fastfeed 0.278 s  torch 1.61 s
+  transport nw=2 epochs of 300  fastfeed/torch peak_footprint  median 0.94x (min 0.83x, max 0.98x)  fastfeed 52.1 MB  torch 55.6 MB
+  transport nw=2 epochs of 300  fastfeed/torch ttfb  median 0.64x (min 0.40x, max 1.03x)  fastfeed 54.2 ms  torch 110 ms
+  transport nw=2 epochs of 300  fastfeed/torch ttfb_hot  median 0.70x (min 0.36x, max 0.91x)  fastfeed 65.1 ms  torch 93.6 ms
+  transport nw=2 vs torch nw=0 epochs of 300  fastfeed/torch throughput  median 0.69x (min 0.48x, max 0.76x)  fastfeed 5.23 GB/s  torch 6.92 GB/s  bar >=1.0x MISSED
+  transport nw=2 vs torch nw=0 epochs of 300  fastfeed/torch main_cpu_s  median 0.17x (min 0.15x, max 0.20x)  fastfeed 0.247 s  torch 1.62 s
+  transport nw=2 vs torch nw=0 epochs of 300  fastfeed/torch peak_footprint  median 5.41x (min 5.41x, max 6.41x)  fastfeed 52.1 MB  torch 9.63 MB
+  transport nw=2 vs torch nw=0 epochs of 300  fastfeed/torch ttfb  median 8.32x (min 5.71x, max 9.82x)  fastfeed 54.8 ms  torch 7.93 ms
+  transport nw=2 vs torch nw=0 epochs of 300  fastfeed/torch ttfb_hot  median 28.01x (min 21.32x, max 34.31x)  fastfeed 51.3 ms  torch 2.15 ms
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The standard CPU workloads, defined once: a dataset factory plus the loader kwargs.
 
-See /work/shared/BENCHMARKS.md for the questions each workload answers. Datasets are
+benchmarks/README.md says which question each workload answers. Datasets are
 module-level classes built from a seeded generator, so they pickle under spawn and every
 trial (candidate or torch) sees the same bytes.
 """
