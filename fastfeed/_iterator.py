@@ -77,24 +77,19 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         # ring holds the batches that exist, as torch's memory does. A loop that keeps
         # no batch needs one per task in flight, the `held` a device stage keeps (copies
         # ahead, and one whose copy may still be running) and the two a `for` loop
-        # holds while it asks for the next.
+        # holds while it asks for the next. Workers keep a state snapshot for as many.
         held = stage.ahead + 1 if stage else 0
+        quiet = self._num_workers * self._prefetch_factor + held + 2
         self._staged = stage is not None
         self._yield_log = collections.deque(maxlen=held)  # (worker, last tasks) before each yield
         cuda_slots = stage.device.type == "cuda" if stage else self._pin_memory_device == "cuda"
         # Workers, their memory and the ring go on the GPU's NUMA node (loader.numa_plan).
         where = affinity.placement(loader.numa_plan)
-        self._ring = ring_for(
-            self._num_workers * self._prefetch_factor + held + 2, self._pin_slots(cuda_slots),
-            None if where is None else where.node,
-        )  # fmt: skip
+        self._ring = ring_for(quiet, self._pin_slots(cuda_slots), None if where is None else where.node)
         spec = WorkerSpec(
             self._num_workers, self._dataset_kind, self._dataset, self._auto_collation, self._collate_fn,
             use_slot_collate, self._drop_last, self._base_seed, init_fn, self._shared_seed, self._ring.prefix,
-            self._ring.control.name,
-            # States of the tasks in flight, those a device stage holds, and one more.
-            history=self._num_workers * self._prefetch_factor + held + 2,
-            placement=where,
+            self._ring.control.name, history=quiet, placement=where,
         )  # fmt: skip
         self._threads = loader.worker_type == "thread"
         dump_s = config.hang_dump_s()

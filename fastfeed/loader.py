@@ -118,7 +118,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         ring = self._ff_ring
         if ring is None or not ring.fits(pin, numa_node):
             ring = self._ff_ring = Ring(quiet, pin, numa_node)
-        ring.set_quiet(quiet)
+        else:
+            ring.set_quiet(quiet)
         ring.in_use = True
         return ring
 

@@ -234,39 +234,39 @@ class Pool:
                 w.tasks.send_bytes(m.dumps(m.Stop()))
             except OSError:
                 pass
+        procs = [w.process for w in self.workers]
         if idle:
-            for w in self.workers:
-                w.tasks.close()
-                w.results.close()
+            self._close_pipes()
             self.all_gone = True  # gone from the ring's point of view: none writes again
-            procs, self.workers = [w.process for w in self.workers], []
-            threading.Thread(target=_reap, args=(procs, grace), name="ff_worker_reaper", daemon=True).start()
+            threading.Thread(target=_end, args=(procs, grace), name="ff_worker_reaper", daemon=True).start()
             return
-        deadline = time.monotonic() + grace
+        self.all_gone = _end(procs, grace)
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
         for w in self.workers:
-            w.process.join(timeout=max(0.0, deadline - time.monotonic()))
-        self.all_gone = True
-        for w in self.workers:
-            if w.process.is_alive():  # stuck in user code: it will never read Stop
-                w.process.kill()
-                w.process.join(timeout=STATUS_CHECK_S)
             w.tasks.close()
             w.results.close()
-            if w.process.is_alive():
-                self.all_gone = False
-            else:
-                w.process.close()
         self.workers = []
 
 
-def _reap(procs, grace: float) -> None:
-    """Wait for stopped workers to exit (killing any still there after ``grace``), then release them."""
+def _end(procs, grace: float) -> bool:
+    """Wait for stopped workers to exit, kill those still running after ``grace``, release them.
+
+    Returns:
+        Whether every one has exited.
+    """
     deadline = time.monotonic() + grace
     for p in procs:
         p.join(timeout=max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
+    gone = True
+    for p in procs:
+        if p.is_alive():  # stuck in user code: it will never read Stop
             p.kill()
             p.join(timeout=STATUS_CHECK_S)
-        if not p.is_alive():
+        if p.is_alive():
+            gone = False
+        else:
             p.close()
+    return gone
 
