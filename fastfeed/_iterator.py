@@ -23,7 +23,7 @@ from torch.utils.data._utils.collate import default_collate
 from torch.utils.data._utils.pin_memory import pin_memory
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_init_fn
 
-from . import _pinning, _state, affinity, config
+from . import _pinning, _state, affinity, config, stats
 from ._ring import layout
 from ._workers import messages as m
 from ._workers.loop import WorkerSpec, preload, worker_main
@@ -53,18 +53,31 @@ def _shutdown_all() -> None:
         it._shutdown_workers()
 
 
-class RingDataLoaderIter(_BaseDataLoaderIter):
-    def __init__(self, loader, ring_for, resume: dict | None = None, stage=None) -> None:
-        """``ring_for(quiet, pin, numa_node)``: the loader's ring (see ``Ring``); ``stage``: the device stage's plan."""
+class RingDataLoaderIter(stats.Measured, _BaseDataLoaderIter):
+    def __init__(self, loader, ring_for, resume: dict | None = None, stage=None, indices=None,
+                 base_seed: int | None = None) -> None:  # fmt: skip
+        """Args:
+        ring_for: ``ring_for(quiet, pin, numa_node)``, the loader's ring (see ``Ring``).
+        resume: a ``DataLoader.state_dict()`` to start from, or None.
+        stage: the device stage's plan, or None.
+        indices: batch indices to take instead of the sampler's (an online tuner's share
+            of one epoch's sampler, ``tuning.online``), or None.
+        base_seed: the workers' base seed, drawn by an earlier iterator of the same epoch;
+            None draws one, as torch does.
+        """
         self._shutdown = True  # until workers exist, there is nothing to shut down
         self._generator = loader.generator
-        self._resume = resume  # a DataLoader.state_dict() to start from, or None
+        self._resume = resume
+        self._indices = indices
         self._finished = False
-        keep = _state.sampler_rngs(self._generator) if resume else None
+        if resume:
+            base_seed = resume["base_seed"]
+        keep = _state.sampler_rngs(self._generator) if base_seed is not None else None
         super().__init__(loader)
-        if resume:  # the original's seed, and no draw the user would see
+        if base_seed is not None:  # the original's seed, and no draw the user would see
             _state.restore_sampler_rngs(keep, self._generator)
-            self._base_seed = resume["base_seed"]
+            self._base_seed = base_seed
+        self._stats = stats.recorder(self._num_workers, loader.prefetch_factor)
         self._prefetch_factor = loader.prefetch_factor
         self._in_order = getattr(loader, "in_order", True)  # torch < 2.6 has no in_order
         context = loader.multiprocessing_context or torch.multiprocessing
@@ -89,7 +102,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         spec = WorkerSpec(
             self._num_workers, self._dataset_kind, self._dataset, self._auto_collation, self._collate_fn,
             use_slot_collate, self._drop_last, self._base_seed, init_fn, self._shared_seed, self._ring.prefix,
-            self._ring.control.name, history=quiet, placement=where,
+            self._ring.control.name, history=quiet, placement=where, timed=self._stats is not None,
         )  # fmt: skip
         self._threads = loader.worker_type == "thread"
         dump_s = config.hang_dump_s()
@@ -145,6 +158,8 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
 
     def _reset(self, loader, first_iter=False) -> None:
         super()._reset(loader, first_iter)
+        if self._indices is not None:
+            self._sampler_iter = self._indices
         if not first_iter:
             for wid in range(self._num_workers):
                 self._pool.send(wid, m.Resume(self._shared_seed))
@@ -355,8 +370,11 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         self._tasks_outstanding -= 1
         got = self._task_info[msg.idx]
         got.msg = msg
-        if type(msg) is m.Done and msg.nbytes:
-            got.memory = self._ring.receive(msg.slot_id, msg.made)
+        if type(msg) is m.Done:
+            if msg.nbytes:
+                got.memory = self._ring.receive(msg.slot_id, msg.made)
+            if self._stats is not None:
+                self._stats.worker(msg.worker_id, msg.fetch_s, msg.collate_s)
         if type(msg) is m.IterEnd:
             self._workers_status[msg.worker_id] = False
             self._last_task[msg.worker_id] = msg.idx
@@ -366,6 +384,13 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
             self._try_put_index()
             return None
         return got
+
+    def _ready_count(self) -> int:
+        """Batches made and not yet yielded: received, or waiting in a pipe (one each, at least)."""
+        if self._shutdown:
+            return 0
+        received = sum(1 for task in self._task_info.values() if task.msg is not None)
+        return received + self._pool.waiting()
 
     def _batch_ready(self) -> bool:
         """Whether the next batch is here already, so taking it cannot wait (device lookahead)."""

@@ -5,24 +5,32 @@ from __future__ import annotations
 from torch.utils.data import _DatasetKind
 from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
 
-from . import _state
+from . import _state, stats
 
 
-class SingleProcessIter(_SingleProcessDataLoaderIter):
+class SingleProcessIter(stats.Measured, _SingleProcessDataLoaderIter):
     """torch's single-process iterator, plus what ``DataLoader.state_dict()`` needs.
 
     Its "worker" is the main process: the RNG states are the global ones, saved by the
     loader; this iterator adds the sampler's position and a stateful dataset's state.
     """
 
-    def __init__(self, loader, resume: dict | None = None) -> None:
+    def __init__(self, loader, resume: dict | None = None, indices=None, base_seed: int | None = None) -> None:
+        """``indices``, ``base_seed``: as ``RingDataLoaderIter``'s (an online tuner's share of an epoch)."""
+        self._stats = stats.recorder(0, None)
         self._generator = loader.generator
         self._sampler_rng = None  # sampler RNGs just before this epoch's first index
         self._finished = False
         stateful = loader._dataset_kind == _DatasetKind.Iterable and _state.is_stateful_dataset(loader.dataset)
         self._stateful = stateful
         if resume is None:
+            keep = _state.sampler_rngs(self._generator) if base_seed is not None else None
             super().__init__(loader)
+            if base_seed is not None:
+                _state.restore_sampler_rngs(keep, self._generator)
+                self._base_seed = base_seed
+            if indices is not None:
+                self._sampler_iter = indices
             return
         keep = _state.main_rngs(self._generator)  # resuming draws nothing the user would see
         if stateful and resume["dataset"] is not None:

@@ -5,6 +5,10 @@
 - ``FASTFEED_HANG_DUMP_S``: when a batch is this many seconds late, every worker prints its stack.
 - ``FASTFEED_SYSFS_ROOT``: read the machine's topology from this sysfs tree instead of /sys
   (read by ``fastfeed.topology``; for tests and bug reproductions).
+- ``FASTFEED_STATS``: ``0`` turns off the per-batch measurements behind ``DataLoader.stats()``
+  (read when an iterator starts).
+- ``FASTFEED_CACHE_DIR``: where ``num_workers="auto"`` keeps its tuning results (``tune.json``),
+  instead of ``~/.cache/fastfeed``.
 - ``FASTFEED_CUDART``: the CUDA runtime library to pin ring memory with, instead of the one
   torch loaded (for a torch whose runtime is linked statically, or for tests).
 """
@@ -42,3 +46,21 @@ def cudart() -> str:
 
 def sysfs_root() -> str:
     return os.environ.get("FASTFEED_SYSFS_ROOT") or "/sys"
+
+
+def stats_enabled() -> bool:
+    raw = os.environ.get("FASTFEED_STATS", "1").strip().lower()
+    if raw in ("0", "false", "off", "no"):
+        return False
+    if raw in ("", "1", "true", "on", "yes"):
+        return True
+    raise ValueError(f"FASTFEED_STATS={raw!r}: use 1 (measure, the default) or 0 (off)")
+
+
+def cache_dir() -> str:
+    """Where tuning results are cached: ``FASTFEED_CACHE_DIR``, or ``~/.cache/fastfeed``."""
+    raw = os.environ.get("FASTFEED_CACHE_DIR")
+    if raw:
+        return os.path.abspath(raw)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "fastfeed")

@@ -18,10 +18,12 @@ import torch
 import torch.utils.data
 from torch.utils.data import IterDataPipe, MapDataPipe
 
-from . import _state, affinity, transfer
+from . import _state, affinity, stats, transfer
 from ._iterator import RingDataLoaderIter
 from ._ring.ring import Ring
 from ._single import SingleProcessIter
+from .tuning import auto as tuning_auto
+from .tuning.online import TuningIter
 
 STATE_VERSION = 1
 WORKER_TYPES = ("process", "thread")
@@ -69,8 +71,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self, *args, worker_type: str = "process", device=None, device_transform=None, device_prefetch: int = 1,
         numa="auto", **kwargs,
     ):  # fmt: skip
+        """``num_workers`` and ``prefetch_factor`` also take ``"auto"``: see ``fastfeed.tuning.auto``."""
         if worker_type not in WORKER_TYPES:
             raise ValueError(f"worker_type must be one of {WORKER_TYPES}, got {worker_type!r}")
+        args, auto = tuning_auto.take(args, kwargs)
         super().__init__(*args, **kwargs)
         self._ff_stage = transfer.plan(device, device_transform, device_prefetch)
         affinity.check(numa)
@@ -89,7 +93,11 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                     "shared graph); use worker_type='process'"
                 )
         self.worker_type = worker_type
+        if auto is not None:
+            tuning_auto.start(self, auto)
 
+    tune_result = None  # with num_workers="auto": the TuneResult chosen (from the cache, or once tuned)
+    _ff_tuner = None  # with "auto" on a cache miss: the online tuner, until it settles
     _ff_epochs = 0  # iterations started (epochs)
     _ff_last = None  # weak reference to the latest iterator
     _ff_staged = None  # weak reference to the latest device stage over it
@@ -97,9 +105,25 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     _ff_planned = False  # numa_plan was made
     _ff_resume = None  # the state the next iterator starts from
     _ff_ring = None  # the ring of batch slots, kept across epochs
+    _ff_stats = None  # the latest iterator's stats.Recorder
+
+    def stats(self) -> stats.Stats:
+        """What the latest iterator measured: throughput, stall fraction, waits, steps, workers' load.
+
+        See ``fastfeed.stats``. Empty (0 batches) before the first ``iter()`` or with
+        ``FASTFEED_STATS=0``.
+        """
+        return stats.Stats.of(self._ff_stats)
 
     def _get_iterator(self):
         resume, self._ff_resume = self._ff_resume, None
+        if self._ff_tuner is not None:
+            if resume is not None:
+                raise RuntimeError(
+                    "load_state_dict() on a num_workers='auto' loader whose tuning has not settled: build it with "
+                    "the tuned values (loader.tune_result.loader_kwargs() of the run that saved the state)"
+                )
+            return TuningIter(self, self._ff_tuner)
         if self.num_workers == 0:
             return SingleProcessIter(self, resume)  # torch's single-process iterator, plus a state
         self.check_worker_number_rationality()
@@ -135,17 +159,26 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         staged = self._ff_staged() if self._ff_staged is not None else None
         if staged is not None:
             staged.close()  # a new epoch: copies of the last one's unseen batches are moot
-        it = super().__iter__()
+        tuner = self._ff_tuner
+        if tuner is not None and tuner.result is not None and tuner.agreed:
+            self._ff_tuner = tuner = None  # settled, and every rank agrees
+        # While tuning, each epoch is a TuningIter: torch's persistent-workers path would keep it.
+        it = self._get_iterator() if tuner is not None else super().__iter__()
         self._ff_epochs += 1
         self._ff_last = weakref.ref(it)
+        if it._stats is not None and it._stats is self._ff_stats:  # persistent workers: a new epoch
+            it._stats = stats.recorder(it._num_workers, self.prefetch_factor if it._num_workers else None)
+        self._ff_stats = it._stats
         if self._ff_stage is None:
             return it
         if self._ff_copier is None:
             self._ff_copier = transfer.copier_for(self._ff_stage)
+        it._timed = False  # the consumer asks the device stage, which times
         if self.num_workers == 0:  # loading ahead would run in this thread: no lookahead
-            staged = transfer.DeviceIter(it, self._ff_copier, 0, lambda: False)
+            staged = transfer.DeviceIter(it, self._ff_copier, 0, lambda: False, stats=it._stats)
         else:
-            staged = transfer.DeviceIter(it, self._ff_copier, self._ff_stage.ahead, it._batch_ready, it.end_epoch)
+            staged = transfer.DeviceIter(it, self._ff_copier, self._ff_stage.ahead, it._batch_ready, it.end_epoch,
+                                         stats=it._stats)  # fmt: skip
         self._ff_staged = weakref.ref(staged)
         return staged
 

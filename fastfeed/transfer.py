@@ -65,6 +65,9 @@ class Copier(Protocol):
     def hand_over(self, out, event) -> None:
         """Make the consumer's stream wait for ``event`` and own ``out``'s memory."""
 
+    def elapsed(self, event) -> float | None:
+        """Seconds the copy behind ``event`` took, once ``done(event)``; None when not timed."""
+
 
 class CudaCopier:
     """Copies on a dedicated CUDA stream of ``device``."""
@@ -76,25 +79,30 @@ class CudaCopier:
 
     def start(self, batch):
         with torch.cuda.stream(self.stream):
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record(self.stream)
             out = map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
             if self.transform is not None:
                 out = self.transform(out)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        return out, event
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(self.stream)
+        return out, (begin, end)
 
     def done(self, event) -> bool:
-        return event.query()
+        return event[1].query()
 
     def wait(self, event) -> None:
-        event.synchronize()
+        event[1].synchronize()
 
     def hand_over(self, out, event) -> None:
         consumer = torch.cuda.current_stream(self.device)
-        consumer.wait_event(event)
+        consumer.wait_event(event[1])
         for t in tensors(out):
             if t.device.type == "cuda":
                 t.record_stream(consumer)
+
+    def elapsed(self, event) -> float | None:
+        return event[0].elapsed_time(event[1]) / 1e3  # read only once done: it never waits
 
 
 class CpuCopier:
@@ -115,6 +123,9 @@ class CpuCopier:
     def hand_over(self, out, event) -> None:
         pass
 
+    def elapsed(self, event) -> float | None:
+        return None
+
 
 class DeviceIter:
     """Yields ``source``'s batches through ``copier``, with up to ``ahead`` more copies in flight.
@@ -126,10 +137,13 @@ class DeviceIter:
         ready: whether ``source`` has its next batch without waiting; lookahead never waits
             for a worker, so it cannot delay the batch the consumer asked for.
         on_end: called once, after the last batch was handed over.
+        stats: the source's ``stats.Recorder``: the consumer asks here, so waits and steps are
+            timed here, and each copy's time is read once it completed.
     """
 
-    def __init__(self, source, copier: Copier, ahead: int, ready: Callable[[], bool], on_end=None):
+    def __init__(self, source, copier: Copier, ahead: int, ready: Callable[[], bool], on_end=None, stats=None):
         self.source = source
+        self.stats = stats
         self.copier = copier
         self.ahead = ahead
         self.ready = ready
@@ -159,9 +173,21 @@ class DeviceIter:
     def _release_finished(self) -> None:
         # In order: a stream's events complete in the order they were recorded.
         while self._copying and self.copier.done(self._copying[0][1]):
-            self._copying.popleft()  # the CPU batch dies here, and its slot goes back
+            _, event = self._copying.popleft()  # the CPU batch dies here, and its slot goes back
+            if self.stats is not None:
+                self.stats.copied(self.copier.elapsed(event))
 
     def __next__(self):
+        rec = self.stats
+        if rec is None:
+            return self._next()
+        ready = getattr(self.source, "_ready_count", None)
+        rec.asked(len(self._issued) + (ready() if ready is not None else 0))
+        out = self._next()
+        rec.returned()
+        return out
+
+    def _next(self):
         self._release_finished()
         if not self._issued and (self._exhausted or not self._issue()):
             self.close()

@@ -7,9 +7,9 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-if ! .venv/bin/python -c "import torch, numpy, pytest, pytest_timeout, hypothesis, pybind11, PIL" 2>/dev/null; then
+if ! .venv/bin/python -c "import torch, numpy, pytest, pytest_timeout, hypothesis, pybind11, PIL, tqdm" 2>/dev/null; then
   .venv/bin/pip install -q --disable-pip-version-check \
-    "torch==2.13.0" numpy pytest pytest-timeout hypothesis pillow "pybind11>=2.12" "setuptools>=64" wheel
+    "torch==2.13.0" numpy pytest pytest-timeout hypothesis pillow tqdm "pybind11>=2.12" "setuptools>=64" wheel
 fi
 # No build isolation: the build uses the pybind11 and setuptools just installed,
 # so it needs no network and takes seconds.

@@ -79,6 +79,9 @@ class FakeCopier:
         self.complete(event)
         self.handed.append(out)
 
+    def elapsed(self, event):
+        return None
+
 
 def tagged(n):
     """A source of n CPU batches that keeps none of them, and the list of those that died."""

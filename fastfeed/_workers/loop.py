@@ -14,6 +14,7 @@ import faulthandler
 import os
 import random
 import select
+import time
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -48,6 +49,7 @@ class WorkerSpec(NamedTuple):
     control: str  # the name of the ring's control block (its shared free list)
     history: int  # per-task state snapshots to keep (every task in flight, and one more)
     placement: Any = None  # affinity.Placement: the CPUs and NUMA node of every worker, or None
+    timed: bool = True  # measure fetch and collate seconds for the main process's stats
 
 
 class SlotWriter:
@@ -226,6 +228,17 @@ def serve(worker_id, spec: WorkerSpec, dataset, writer: SlotWriter, get, put, re
     where = f"in DataLoader worker {'thread' if thread else 'process'} {worker_id}"
     collate_fn = layout.slot_collate if spec.use_slot_collate else spec.collate_fn
     kind = spec.dataset_kind
+    clock = time.perf_counter
+    collating = [0.0]  # seconds spent in collate_fn during the current fetch
+    if spec.timed:
+        untimed = collate_fn
+
+        def collate_fn(samples):
+            t = clock()
+            try:
+                return untimed(samples)
+            finally:
+                collating[0] += clock() - t
 
     def new_fetcher():
         return _DatasetKind.create_fetcher(kind, dataset, spec.auto_collation, collate_fn, spec.drop_last)
@@ -288,7 +301,14 @@ def serve(worker_id, spec: WorkerSpec, dataset, writer: SlotWriter, get, put, re
             reply, init_error = m.Failed(task.idx, worker_id, init_error), None
         else:
             try:
-                reply = writer.write(task, fetcher.fetch(task.index), worker_id)
+                collating[0] = 0.0
+                t0 = clock()
+                batch = fetcher.fetch(task.index)
+                t1 = clock()
+                reply = writer.write(task, batch, worker_id)
+                del batch
+                if spec.timed:  # the write into the slot is the rest of collating
+                    reply = reply._replace(fetch_s=t1 - t0 - collating[0], collate_s=collating[0] + clock() - t1)
                 n_batches += 1
             except Exception as e:
                 if isinstance(e, StopIteration) and kind == _DatasetKind.Iterable:

@@ -59,6 +59,8 @@ class Done(NamedTuple):
     payload: bytes
     slot_id: int | None
     made: str | None
+    fetch_s: float = 0.0  # seconds in the dataset, measured in the worker (fastfeed.stats)
+    collate_s: float = 0.0  # seconds collating and writing into the slot
 
 
 class Failed(NamedTuple):

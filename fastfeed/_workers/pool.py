@@ -112,6 +112,7 @@ class Pool:
         self.workers: list[Worker] = []
         self._any = select.poll()
         self._fd_owner: dict[int, Worker] = {}
+        self._result_fds: set[int] = set()
         try:
             self.workers = [Worker(wid, context) for wid in range(num_workers)]
             args = [args_for(wid) for wid in range(num_workers)]  # all before first_started changes anything
@@ -120,6 +121,7 @@ class Pool:
                 for fd in (w.results.fileno(), w.process.sentinel):
                     self._any.register(fd, _READY)
                     self._fd_owner[fd] = w
+                self._result_fds.add(w.results.fileno())
                 if w.worker_id == 0 and first_started is not None:
                     first_started(self)
         except BaseException:
@@ -159,6 +161,11 @@ class Pool:
     def ready(self, wid: int) -> bool:
         """Whether worker ``wid`` has a message waiting (or has died): recv would not wait."""
         return bool(self.workers[wid].poller.poll(0))
+
+    def waiting(self) -> int:
+        """How many workers have a reply waiting (one poll; for the stats' ``ready`` count)."""
+        fds = self._result_fds
+        return sum(1 for fd, _ in self._any.poll(0) if fd in fds)
 
     def recv_any(self, timeout: float | None):
         """The next message from whichever worker answers first."""

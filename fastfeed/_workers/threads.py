@@ -132,6 +132,10 @@ class ThreadPool:
             pass
         return bool(self._held[wid])
 
+    def waiting(self) -> int:
+        """How many replies are waiting (for the stats' ``ready`` count)."""
+        return self._replies.qsize() + sum(len(h) for h in self._held)
+
     def recv_any(self, timeout: float | None):
         """The next message from whichever worker answers first."""
         return self._wait(None, timeout)

@@ -1,0 +1,196 @@
+"""Measuring one setting: a loader run for warm-up and then windows, with the user's step.
+
+The objective is steady-state batches/s as the training loop sees it: each window times
+``batches / seconds`` of ``next(it)`` plus the step. The workers of one setting serve all
+its windows (``persistent_workers=True``, so an epoch boundary costs no restart), warm-up
+batches are discarded, and the median of at least ``MIN_WINDOWS`` windows is the figure; a
+setting whose windows spread more than the tolerance gets more windows, up to ``MAX_WINDOWS``.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from .. import transfer
+from .result import Setting, Trial
+
+MIN_WINDOWS = 3
+MAX_WINDOWS = 6
+WINDOW_S = 0.3  # the shortest window...
+WINDOW_BATCHES = 4  # ...and its fewest batches
+
+
+class OutOfTime(Exception):
+    """The tuning budget ran out in the middle of a trial (which is kept if it has windows)."""
+
+    def __init__(self, trial: Trial | None):
+        super().__init__("tuning budget spent")
+        self.trial = trial
+
+
+def step_fn(step) -> Callable[[Any], None] | None:
+    """The training step to run with each batch: None, a synthetic one of ``step`` seconds, or the user's."""
+    if step is None:
+        return None
+    if callable(step):
+        return step
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or step < 0:
+        raise ValueError(f"step must be None, a number of seconds >= 0 or a callable(batch), got {step!r}")
+    seconds = float(step)
+    return lambda batch: time.sleep(seconds)  # waits, as the host does while a GPU step runs
+
+
+def sync() -> None:
+    """Wait for queued GPU work, so that a window's edges count the GPU time of its steps."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def batch_bytes(batch) -> int:
+    return sum(t.numel() * t.element_size() for t in transfer.tensors(batch))
+
+
+def probe_batch_bytes(loader_cls, dataset, base: dict) -> int:
+    """The bytes of one batch, made in this process: what the memory budget needs before any trial."""
+    loader = loader_cls(dataset, **loader_args(base, Setting("process", 0, None)))
+    return batch_bytes(next(iter(loader)))
+
+
+def private_bytes(pids) -> int:
+    """The largest private memory (resident and swapped) among ``pids``: what one more worker costs."""
+    largest = 0
+    for pid in pids:
+        total = 0
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith(("Private_Clean:", "Private_Dirty:", "Swap:")):
+                        total += int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            continue
+        largest = max(largest, total)
+    return largest
+
+
+def loader_args(base: dict, setting: Setting) -> dict:
+    """The loader's arguments for ``setting`` on top of the user's ``base`` ones."""
+    kwargs = dict(base, num_workers=setting.num_workers, prefetch_factor=setting.prefetch_factor,
+                  worker_type=setting.worker_type)  # fmt: skip
+    if setting.num_workers == 0:  # what torch rejects without workers
+        for key in ("multiprocessing_context", "timeout", "persistent_workers"):
+            kwargs.pop(key, None)
+    return kwargs
+
+
+def close(loader) -> None:
+    """Stop a trial loader's workers and free its ring now, not at garbage collection."""
+    it = loader._iterator
+    loader._iterator = None
+    if it is not None:
+        it._shutdown_workers()
+    if loader._ff_ring is not None:
+        loader._ff_ring.close()
+        loader._ff_ring = None
+
+
+def run(loader_cls, dataset, base: dict, setting: Setting, step, *, tolerance: float,
+        deadline: float, window_s: float = WINDOW_S, first: bool = False) -> Trial:  # fmt: skip
+    """Measure ``setting``: warm-up, then windows until their median is trustworthy.
+
+    ``first``: the tuning's first trial, which gets one window whatever the deadline (a
+    budget too small still yields an answer).
+
+    Raises:
+        OutOfTime: ``deadline`` (``time.monotonic()``) passed; its ``trial`` has the windows
+            measured so far, or is None.
+        Whatever the loader or ``step`` raise, after the loader's workers are stopped.
+    """
+    started = time.monotonic()
+    kwargs = loader_args(base, setting)
+    if setting.num_workers > 0:
+        kwargs["persistent_workers"] = True  # windows reuse the workers, across epoch ends too
+    trial = Trial(setting)
+    with warnings.catch_warnings():
+        # Settings above the cores are tried on purpose: torch's warning about them is noise here.
+        warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
+        loader = loader_cls(dataset, **kwargs)
+        return _run(loader, trial, step, tolerance, deadline, window_s, first, started)
+
+
+def _run(loader, trial, step, tolerance, deadline, window_s, first, started) -> Trial:
+    try:
+        _windows(loader, trial, step_fn(step), tolerance, deadline, window_s, 1 if first else 0)
+    except OutOfTime:
+        trial.seconds = time.monotonic() - started
+        raise OutOfTime(trial if trial.windows else None) from None
+    finally:
+        close(loader)
+    trial.seconds = time.monotonic() - started
+    return trial
+
+
+def _windows(loader, trial: Trial, step, tolerance: float, deadline: float, window_s: float, least: int) -> None:
+    it = iter(loader)
+    first = next(it)
+    trial.batch_bytes = batch_bytes(first)
+    del first
+    warm = (loader.num_workers * (loader.prefetch_factor or 0)) + 1
+    feed = _Feed(loader, it, step, warm)
+    waits, steps = 0.0, 0.0
+    while len(trial.windows) < MIN_WINDOWS or (trial.spread > tolerance and len(trial.windows) < MAX_WINDOWS):
+        if time.monotonic() > deadline and len(trial.windows) >= least:
+            raise OutOfTime(trial)
+        rate, wait, stepped = feed.window(window_s)
+        if rate is None:
+            continue  # an epoch ended inside the window: measure again after the warm-up
+        trial.windows.append(rate)
+        waits, steps = waits + wait, steps + stepped
+    trial.stall_fraction = waits / (waits + steps) if waits + steps > 0 else 0.0
+    it = loader._iterator
+    if it is not None and not it._threads:
+        trial.worker_bytes = private_bytes(it._pool.pids)
+
+
+class _Feed:
+    """Batches from ``loader`` with the step run on each; a new epoch (and warm-up) when one ends."""
+
+    def __init__(self, loader, it, step, warm: int):
+        self.loader, self.it, self.step, self.warm = loader, it, step, warm
+        self._warm_up(warm - 1)  # the first batch was taken already
+
+    def _next(self) -> bool:
+        """One batch and its step; False when the epoch ended (and a new one began)."""
+        try:
+            batch = next(self.it)
+        except StopIteration:
+            self.it = iter(self.loader)
+            self._warm_up(self.warm)
+            return False
+        if self.step is not None:
+            self.step(batch)
+        return True
+
+    def _warm_up(self, n: int) -> None:
+        for _ in range(n):
+            if not self._next():
+                return
+
+    def window(self, seconds: float) -> tuple[float | None, float, float]:
+        """(batches/s, Σwait, Σstep) over one window, or (None, ...) when an epoch ended inside it."""
+        rec = self.loader._ff_stats
+        first = rec.batches if rec is not None else 0
+        sync()
+        t0 = time.perf_counter()
+        n = 0
+        while n < WINDOW_BATCHES or time.perf_counter() - t0 < seconds:
+            if not self._next():
+                return None, 0.0, 0.0
+            n += 1
+        sync()
+        elapsed = time.perf_counter() - t0
+        wait, stepped = rec.window(first, first + n) if rec is not None else (0.0, 0.0)
+        return n / elapsed, wait, stepped

@@ -1,0 +1,290 @@
+"""``num_workers="auto"`` on a cache miss: tuning on the epoch the user consumes, with the user's step.
+
+One epoch's sampler is drawn once, as a fixed setting draws it, and its batch indices are
+dealt out in order to a succession of iterators, one per setting tried: each takes indices
+through a ``_Gate`` until its trial has its windows, then the gate closes, the iterator
+yields what its workers still hold, ends, and the next setting's iterator takes the
+following indices. So no batch is lost or repeated, and the order of sample indices is the
+fixed setting's. The iterators after the first reuse its worker base seed and draw nothing
+from the RNGs, so later epochs are those of a fixed setting too.
+
+Tuning stops when the search is done, or after about ``EPOCH_SHARE`` of the epoch or
+``BUDGET_S`` seconds (a trial under way is finished first; an epoch too short for one trial
+hands the search on to the next). Then the loader settles on the choice, for the rest of the
+epoch and after; the cache and ``loader.tune_result`` get it, and one line goes to the
+``fastfeed`` logger.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+
+from .. import affinity, stats
+from .._iterator import RingDataLoaderIter
+from .._single import SingleProcessIter
+from . import agree
+from .measure import MAX_WINDOWS, MIN_WINDOWS, WINDOW_BATCHES, batch_bytes, private_bytes
+from .result import Setting, Trial, TuneResult
+from .search import Search
+
+log = logging.getLogger("fastfeed")
+
+EPOCH_SHARE = 0.1  # of an epoch's batches spent tuning
+BUDGET_S = 60.0  # tuning time in all
+TRIALS = 6  # what a search usually takes: each trial gets its share of the epoch's share
+WINDOW_S = BUDGET_S / TRIALS / (MIN_WINDOWS + 1)  # the longest window, so trials fit in the time budget
+POLL_S = 0.5  # how often a rank that settled first looks for rank 0's choice
+
+
+class _Gate:
+    """The shared sampler iterator, as one trial's iterator sees it: closed, it has ended."""
+
+    def __init__(self, source):
+        self.source = source
+        self.open = True
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if not self.open:
+            raise StopIteration
+        return next(self.source)
+
+
+class _Run:
+    """The trial under way: its warm-up and windows, over batch numbers of the epoch's recorder."""
+
+    def __init__(self, trial: Trial, start: int, warm: int, window: int):
+        self.trial = trial
+        self.window = window  # batches per window (fewer when a window takes WINDOW_S)
+        self.mark = start + warm  # where the current window began
+        self.waits = self.steps = 0.0
+
+    def update(self, rec: stats.Recorder, tolerance: float) -> bool:
+        """Close a window if one is complete; True once the trial has enough windows."""
+        n = rec.batches - self.mark
+        if n >= WINDOW_BATCHES:
+            wait, step = rec.window(self.mark, rec.batches)
+            if n >= self.window or wait + step >= WINDOW_S:
+                self.trial.windows.append(n / (wait + step))
+                self.waits, self.steps = self.waits + wait, self.steps + step
+                total = self.waits + self.steps
+                self.trial.stall_fraction = self.waits / total if total > 0 else 0.0
+                self.mark = rec.batches
+        t = self.trial
+        return len(t.windows) >= MAX_WINDOWS or (len(t.windows) >= MIN_WINDOWS and t.spread <= tolerance)
+
+
+class OnlineTuner:
+    """The tuning state of one loader, kept across epochs until it settles.
+
+    Args:
+        search: the search over the allowed settings.
+        budget: ``tune.Budget``, told what each trial measured.
+        settle: called with the ``TuneResult`` once chosen (and again if rank 0's differs).
+        tag: the name of this tuning in the process group's store (``agree``).
+    """
+
+    def __init__(self, search: Search, budget, tolerance: float, settle, tag: str, batch_size: int | None):
+        self.search = search
+        self.batch_size = batch_size
+        self.budget = budget
+        self.tolerance = tolerance
+        self.settle = settle
+        self.tag = tag
+        self.spent_s = 0.0
+        self.result: TuneResult | None = None  # this rank's choice, once made
+        self.agreed = False  # every rank has rank 0's choice
+
+    def finish(self, converged: bool, elapsed_s: float) -> TuneResult:
+        chosen = self.search.choice()
+        trial = self.search.trials[chosen]
+        self.result = TuneResult(
+            num_workers=chosen.num_workers, prefetch_factor=chosen.prefetch_factor, worker_type=chosen.worker_type,
+            throughput=trial.median, samples_per_s=trial.median * self.batch_size if self.batch_size else None,
+            stall_fraction=trial.stall_fraction, input_bound=self.search.input_bound,
+            trials=list(self.search.order), elapsed_s=elapsed_s, converged=converged and self.search.done,
+            batch_size=self.batch_size,
+        )  # fmt: skip
+        if agree.is_leader():
+            agree.publish(self.result, self.tag)
+            self.agreed = True
+        self.settle(self.result)
+        return self.result
+
+    def check_leader(self) -> TuneResult | None:
+        """Rank 0's result, once published, when it differs from ours (then it is settled on)."""
+        theirs = agree.poll(self.tag)
+        if theirs is None:
+            return None
+        self.agreed = True
+        if theirs.setting == self.result.setting:
+            return None
+        self.result = theirs
+        self.settle(theirs)
+        return theirs
+
+
+class _Epoch:
+    def __next__(self):
+        return self._next_batch()
+
+
+class TuningIter(stats.Measured, _Epoch):
+    """One epoch of an ``"auto"`` loader while its tuner has not settled (see the module's doc)."""
+
+    def __init__(self, loader, tuner: OnlineTuner):
+        self._loader = loader
+        self._tuner = tuner
+        self._stats = stats.Recorder(0, None)  # the epoch's, across settings (trials read their windows here)
+        self._shared = iter(loader._index_sampler)
+        self._base_seed = None  # drawn by the first iterator, reused by the others
+        self._current = None
+        self._gate: _Gate | None = None
+        self._run: _Run | None = None
+        self._finished = False
+        self._num_workers = 0
+        self._started = time.monotonic()
+        self._tuned = 0  # batches spent on trials this epoch
+        self._share = max(1, int(len(loader) * EPOCH_SHARE)) if _sized(loader) else None
+        # Batches per trial: the epoch's share split between the trials a search usually takes.
+        self._per_trial = max(WINDOW_BATCHES * (MIN_WINDOWS + 1), (self._share or 0) // TRIALS)
+        self._run_start = 0
+        self._run_began = 0.0
+        self._next_poll = 0.0
+
+    def __iter__(self):
+        return self
+
+    def __len__(self):
+        return len(self._loader._index_sampler)
+
+    # -- what the loader and a device stage ask of an iterator --------------------------------
+
+    def _ready_count(self) -> int:
+        return self._current._ready_count() if self._current is not None else 0
+
+    def _batch_ready(self) -> bool:
+        return self._current is not None and self._current._batch_ready()
+
+    def end_epoch(self) -> None:
+        self._shutdown_workers()
+
+    def state_dict(self, held_back: int = 0) -> dict:
+        raise RuntimeError(
+            "DataLoader.state_dict() in the middle of num_workers='auto''s tuning epoch is not supported: the "
+            "epoch is served by several settings in turn. Take it after this epoch, or pass the tuned values "
+            "(loader.tune_result.loader_kwargs(), or a config from `fastfeed tune --out`)."
+        )
+
+    def _shutdown_workers(self) -> None:
+        current, self._current = self._current, None
+        if current is not None and hasattr(current, "_shutdown_workers"):
+            current._shutdown_workers()
+
+    def __del__(self):
+        self._shutdown_workers()
+
+    # -- the epoch ----------------------------------------------------------------------------
+
+    def _next_batch(self):
+        while True:
+            if self._current is None:
+                if self._finished:
+                    raise StopIteration
+                self._begin(self._next_setting())
+            self._progress()
+            try:
+                data = next(self._current)
+            except StopIteration:
+                ended = self._gate.open  # still open: the sampler itself ended
+                self._end_trial()
+                self._current = None
+                if ended:
+                    self._finished = True
+                    self._account()
+                    raise
+                continue
+            if not self._tuner.budget.batch_bytes:
+                self._tuner.budget.batch_bytes = batch_bytes(data)
+            return data
+
+    def _next_setting(self) -> Setting:
+        tuner = self._tuner
+        if tuner.result is not None:
+            return tuner.result.setting
+        elapsed = tuner.spent_s + (time.monotonic() - self._started)
+        proposal = tuner.search.propose()
+        if proposal is None:
+            return tuner.finish(True, elapsed).setting
+        spent = elapsed > BUDGET_S or (self._share is not None and self._tuned >= self._share)
+        if spent and tuner.search.choice() is not None:
+            return tuner.finish(False, elapsed).setting
+        return proposal
+
+    def _begin(self, setting: Setting) -> None:
+        loader = self._loader
+        loader.num_workers, loader.prefetch_factor = setting.num_workers, setting.prefetch_factor
+        loader.worker_type = setting.worker_type
+        self._num_workers = setting.num_workers
+        self._gate = _Gate(self._shared)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
+            if setting.num_workers == 0:
+                it = SingleProcessIter(loader, indices=self._gate, base_seed=self._base_seed)
+            else:
+                loader.check_worker_number_rationality()
+                loader.numa_plan = affinity.plan_for(loader.numa, loader._cuda_target(), setting.num_workers)
+                it = RingDataLoaderIter(loader, loader._ring_for, None, None, indices=self._gate,
+                                        base_seed=self._base_seed)  # fmt: skip
+        it._timed = False  # this epoch's recorder times the consumer
+        self._base_seed = it._base_seed
+        self._current = it
+        self._stats.num_workers, self._stats.prefetch_factor = setting.num_workers, setting.prefetch_factor
+        tuning = self._tuner.result is None and setting not in self._tuner.search.trials
+        # Warm-up: the batches made while the workers started, at most a quarter of the trial.
+        warm = min(setting.num_workers * (setting.prefetch_factor or 0) + 1, self._per_trial // 4)
+        window = max(WINDOW_BATCHES, (self._per_trial - warm) // MIN_WINDOWS)
+        self._run = _Run(Trial(setting), self._stats.batches, warm, window) if tuning else None
+        self._run_start = self._stats.batches
+        self._run_began = time.monotonic()
+
+    def _progress(self) -> None:
+        """Before each batch: close the trial's window, and its gate once it has them all."""
+        run = self._run
+        if run is not None and self._gate.open and run.update(self._stats, self._tuner.tolerance):
+            self._gate.open = False
+            pool = getattr(self._current, "_pool", None)
+            if pool is not None and not self._current._threads:  # its workers' memory, while they live
+                run.trial.worker_bytes = private_bytes(pool.pids)
+        if self._tuner.result is not None and not self._tuner.agreed and self._gate.open:
+            now = time.monotonic()
+            if now >= self._next_poll:
+                self._next_poll = now + POLL_S
+                if self._tuner.check_leader() is not None:
+                    self._gate.open = False  # switch to rank 0's choice
+
+    def _end_trial(self) -> None:
+        run, self._run = self._run, None
+        self._tuned += self._stats.batches - self._run_start if run is not None else 0
+        if run is None or not run.trial.windows:
+            return
+        run.trial.batch_bytes = self._tuner.budget.batch_bytes
+        run.trial.seconds = time.monotonic() - self._run_began
+        self._tuner.budget.learn(run.trial)
+        self._tuner.search.report(run.trial)
+
+    def _account(self) -> None:
+        if self._tuner.result is None:
+            self._tuner.spent_s += time.monotonic() - self._started
+
+
+def _sized(loader) -> bool:
+    try:
+        len(loader)
+    except TypeError:
+        return False
+    return True

@@ -1,0 +1,180 @@
+"""What tuning found: every setting tried, the choice, and a config file a loader accepts."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+from dataclasses import asdict, dataclass, field
+
+CONFIG_FORMAT = 1
+
+
+@dataclass(frozen=True, order=True)
+class Setting:
+    """One point of the search space."""
+
+    worker_type: str
+    num_workers: int
+    prefetch_factor: int | None  # None with num_workers=0, as torch wants it
+
+    def __str__(self) -> str:
+        pf = "-" if self.prefetch_factor is None else self.prefetch_factor
+        return f"nw={self.num_workers} pf={pf} {self.worker_type}"
+
+    def loader_kwargs(self) -> dict:
+        return {"num_workers": self.num_workers, "prefetch_factor": self.prefetch_factor,
+                "worker_type": self.worker_type}  # fmt: skip
+
+
+@dataclass
+class Trial:
+    """One setting, measured (or skipped).
+
+    Attributes:
+        windows: batches/s of each window, warm-up excluded.
+        stall_fraction: over the windows: Σwait / (Σwait + Σstep) (0 when no step runs).
+        skipped: why the setting was not measured (memory budget, CPU limit), or None.
+        seconds: wall time the trial took, start-up and warm-up included.
+        batch_bytes: bytes of tensor data in one batch.
+        worker_bytes: private memory of one worker process (0 for threads or nw=0).
+    """
+
+    setting: Setting
+    windows: list = field(default_factory=list)
+    stall_fraction: float = 0.0
+    skipped: str | None = None
+    seconds: float = 0.0
+    batch_bytes: int = 0
+    worker_bytes: int = 0
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.windows) if self.windows else 0.0
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median of the windows: how much to trust the median."""
+        if len(self.windows) < 2 or self.median <= 0:
+            return 0.0
+        return (max(self.windows) - min(self.windows)) / self.median
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(median=self.median, spread=self.spread)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Trial:
+        return cls(Setting(**d["setting"]), list(d["windows"]), d["stall_fraction"], d["skipped"], d["seconds"],
+                   d.get("batch_bytes", 0), d.get("worker_bytes", 0))  # fmt: skip
+
+
+@dataclass
+class TuneResult:
+    """What ``fastfeed.tune()`` (or ``num_workers="auto"``) chose, and the evidence.
+
+    Attributes:
+        num_workers, prefetch_factor, worker_type: the choice.
+        throughput: batches/s of the choice, as measured; ``samples_per_s`` the same in samples.
+        stall_fraction: of the choice (the share of the step spent waiting for input).
+        input_bound: False when loading was not the bottleneck at a small setting: the cheapest
+            setting within tolerance was chosen without a search.
+        trials: every setting tried, in order, with its windows, or why it was skipped.
+        elapsed_s: the tuning's wall time.
+        converged: False when the budget ran out first (the choice is the best so far).
+        batch_size: samples per batch (None when the loader does not batch).
+    """
+
+    num_workers: int
+    prefetch_factor: int | None
+    worker_type: str
+    throughput: float
+    samples_per_s: float | None
+    stall_fraction: float
+    input_bound: bool
+    trials: list
+    elapsed_s: float
+    converged: bool
+    batch_size: int | None = None
+
+    @property
+    def setting(self) -> Setting:
+        return Setting(self.worker_type, self.num_workers, self.prefetch_factor)
+
+    def loader_kwargs(self) -> dict:
+        """``DataLoader(dataset, **result.loader_kwargs())`` uses the choice."""
+        return self.setting.loader_kwargs()
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k != "trials"}
+        d["trials"] = [t.as_dict() for t in self.trials]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TuneResult:
+        fields = {k: v for k, v in d.items() if k != "trials"}
+        return cls(**fields, trials=[Trial.from_dict(t) for t in d["trials"]])
+
+    def save(self, path) -> None:
+        """Write a JSON config: ``DataLoader(ds, **fastfeed.load_config(path))`` uses the choice."""
+        write_json_atomic(path, {"fastfeed_config": CONFIG_FORMAT, "loader_kwargs": self.loader_kwargs(),
+                                 "result": self.as_dict()})  # fmt: skip
+
+    def __str__(self) -> str:
+        head = (
+            f"fastfeed tune: {self.setting}  {self.throughput:,.1f} batches/s"
+            + (f" ({self.samples_per_s:,.0f} samples/s)" if self.samples_per_s else "")
+            + f", stall {self.stall_fraction:.1%}"
+            + ("" if self.input_bound else ", not input-bound")
+            + f"  [{'converged' if self.converged else 'NOT converged (budget)'}, {len(self.trials)} trials,"
+            f" {self.elapsed_s:.1f} s]"
+        )
+        rows = [f"{'':2}{'nw':>3} {'pf':>3} {'type':<8} {'batches/s':>10} {'spread':>7} {'stall':>6} {'windows':>7}"]
+        chosen = self.setting
+        for t in sorted(self.trials, key=lambda t: t.setting):
+            s = t.setting
+            mark = "*" if s == chosen else " "
+            pf = "-" if s.prefetch_factor is None else s.prefetch_factor
+            if t.skipped:
+                rows.append(f"{mark:2}{s.num_workers:>3} {pf:>3} {s.worker_type:<8} skipped: {t.skipped}")
+            else:
+                rows.append(f"{mark:2}{s.num_workers:>3} {pf:>3} {s.worker_type:<8} {t.median:>10,.1f} "
+                            f"{t.spread:>7.1%} {t.stall_fraction:>6.1%} {len(t.windows):>7}")  # fmt: skip
+        return "\n".join([head, *rows])
+
+
+def write_json_atomic(path, data) -> None:
+    """Write ``data`` as JSON to ``path`` through a temporary file and a rename: readers never see half."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".fastfeed-", suffix=".json", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def load_config(path) -> dict:
+    """The loader arguments saved by ``TuneResult.save`` or ``fastfeed tune --out``: ``DataLoader(ds, **them)``.
+
+    Raises:
+        ValueError: the file is not a fastfeed config.
+    """
+    with open(path) as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not a fastfeed config (invalid JSON: {e})") from None
+    if not isinstance(data, dict) or data.get("fastfeed_config") != CONFIG_FORMAT:
+        raise ValueError(f"{path}: not a fastfeed config (written by `fastfeed tune --out` or TuneResult.save)")
+    kwargs = data.get("loader_kwargs")
+    if not isinstance(kwargs, dict) or not isinstance(kwargs.get("num_workers"), int):
+        raise ValueError(f"{path}: its loader_kwargs are missing or malformed")
+    return dict(kwargs)

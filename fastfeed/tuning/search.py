@@ -1,0 +1,232 @@
+"""The search: which setting to measure next, and which to choose. Pure: it never measures.
+
+The driver (``tune.tune`` offline, ``online.OnlineTuner`` on the user's own epoch) asks
+``propose()`` for a setting, measures it and hands the ``Trial`` back with ``report()``,
+until ``propose()`` returns None; ``choice()`` is the answer, at any point.
+
+The phases:
+
+1. **Is loading the bottleneck at all?** A small setting first. When the consumer waited for
+   input less than ``NOT_INPUT_BOUND`` of the time, fewer workers are tried, down while they
+   stay within tolerance, and nothing else: a tuner that spends minutes finding nothing to
+   gain is a cost.
+2. **The knee in ``num_workers``**, by bisection over ``[min, max]`` at a fixed prefetch:
+   the smallest count within ``tolerance`` of the best throughput seen. When the best point
+   has an unmeasured gap to a clearly worse right neighbour (too many workers for the
+   cores), the gap is bisected too: the peak may lie inside it.
+3. **``prefetch_factor``** at the knee, from ``PREFETCH``: 4 first; 8 only when 4 gained
+   more than the tolerance, else 1 (less memory when it costs nothing).
+4. **``worker_type``**, when several are allowed, at the chosen counts.
+
+The choice is always the cheapest measured setting (fewest workers, then least prefetch,
+then the first worker type listed) within ``tolerance`` of the best one measured.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .result import Setting, Trial
+
+NOT_INPUT_BOUND = 0.02  # stall fraction below which loading is not the bottleneck
+PREFETCH = (1, 2, 4, 8)
+DEFAULT_PREFETCH = 2
+
+
+class Search:
+    """Args:
+    max_workers: the largest ``num_workers`` tried.
+    tolerance: settings within this fraction of the best throughput count as equal.
+    worker_types: the worker types allowed; the first is preferred at equal throughput.
+    num_workers: a fixed ``num_workers`` (only prefetch is searched), or None.
+    prefetch_factor: a fixed ``prefetch_factor``, or None to search it.
+    min_workers: the smallest ``num_workers`` allowed (1 when the loader's other
+        arguments need workers: ``persistent_workers``, ``multiprocessing_context``).
+    fits: ``fits(setting)`` -> None, or why the setting cannot run (memory, say): it is then
+        recorded as skipped, never measured.
+    """
+
+    def __init__(
+        self, *, max_workers: int, tolerance: float, worker_types=("process",), num_workers: int | None = None,
+        prefetch_factor: int | None = None, min_workers: int = 0, fits: Callable[[Setting], str | None] | None = None,
+    ):  # fmt: skip
+        self.tolerance = tolerance
+        self.types = tuple(worker_types)
+        self.fixed_nw = num_workers
+        self.fixed_pf = prefetch_factor
+        self.lo = num_workers if num_workers is not None else min_workers
+        self.hi = num_workers if num_workers is not None else max(max_workers, min_workers)
+        self.fits = fits or (lambda setting: None)
+        self.trials: dict[Setting, Trial] = {}
+        self.order: list[Trial] = []  # as reported
+        self.input_bound = True
+        self._phase = "check"
+        self._small: Setting | None = None
+
+    # -- settings ---------------------------------------------------------------------------
+
+    def _setting(self, nw: int, pf: int | None = None, wt: str | None = None) -> Setting:
+        if nw == 0:
+            pf = None
+        elif pf is None:
+            pf = self.fixed_pf or DEFAULT_PREFETCH
+        return Setting(wt or self.types[0], nw, pf)
+
+    def _new(self, setting: Setting) -> Setting | None:
+        """``setting`` to measure, or None once it has been measured or found not to fit."""
+        if setting in self.trials:
+            return None
+        why = self.fits(setting)
+        if why:
+            self.report(Trial(setting, skipped=why))
+            return None
+        return setting
+
+    def _measured(self) -> list[Trial]:
+        return [t for t in self.order if not t.skipped and t.windows]
+
+    def _curve(self) -> dict[int, float]:
+        """Throughput by ``num_workers`` at the searched prefetch and first worker type."""
+        base = self._setting(1).prefetch_factor
+        return {t.setting.num_workers: t.median for t in self._measured()
+                if t.setting.worker_type == self.types[0] and t.setting.prefetch_factor in (base, None)}  # fmt: skip
+
+    # -- the protocol -----------------------------------------------------------------------
+
+    def report(self, trial: Trial) -> None:
+        self.trials[trial.setting] = trial
+        self.order.append(trial)
+
+    def propose(self) -> Setting | None:
+        """The next setting to measure, or None when the search is done."""
+        while True:
+            step = getattr(self, f"_{self._phase}")()
+            if step is not _NEXT_PHASE:
+                return step
+
+    def _check(self):
+        if self._small is None:
+            self._small = self._setting(min(max(2, self.lo), self.hi))
+        if self._small not in self.trials:  # proposed until it is measured (or found not to fit)
+            proposal = self._new(self._small)
+            if proposal is not None:
+                return proposal
+        small = self.trials.get(self._small)
+        if small is not None and small.windows and small.stall_fraction < NOT_INPUT_BOUND:
+            self.input_bound = False
+            self._phase = "cheaper"
+        else:
+            self._phase = "workers" if self.fixed_nw is None else "prefetch"
+        return _NEXT_PHASE
+
+    def _cheaper(self):
+        """Not input-bound: the cheapest setting that stays within tolerance of the small one."""
+        reference = self.trials[self._small].median
+        current = self._small
+        while True:
+            if self.fixed_nw is None and current.num_workers > self.lo:
+                cheaper = self._setting(current.num_workers - 1)
+            elif self.fixed_pf is None and current.prefetch_factor not in (None, PREFETCH[0]):
+                cheaper = self._setting(current.num_workers, PREFETCH[0])
+            else:
+                break
+            trial = self.trials.get(cheaper)
+            if trial is None:
+                proposal = self._new(cheaper)
+                if proposal is not None:
+                    return proposal
+                break  # it does not fit
+            if not trial.windows or trial.median < (1 - self.tolerance) * reference:
+                break
+            current = cheaper
+        self._phase = "done"
+        return _NEXT_PHASE
+
+    def _workers(self):
+        proposal = self._next_workers()
+        if proposal is not None:
+            return proposal
+        self._phase = "prefetch"
+        return _NEXT_PHASE
+
+    def _next_workers(self) -> Setting | None:
+        while self.hi > self.lo:  # the largest count that fits is the top of the range
+            top = self._setting(self.hi)
+            if top not in self.trials:
+                proposal = self._new(top)
+                if proposal is not None:
+                    return proposal
+            if not self.trials[top].skipped:
+                break
+            self.hi -= 1
+        curve = self._curve()
+        if not curve:
+            return None
+        best = max(curve.values())
+        knee = min(nw for nw, t in curve.items() if t >= (1 - self.tolerance) * best)
+        below = max((nw for nw in curve if nw < knee), default=self.lo - 1)
+        if knee - below > 1:
+            proposal = self._new(self._setting((below + knee + 1) // 2))  # rounded up: knees sit high
+            if proposal is not None:
+                return proposal
+        peak = max(curve, key=curve.get)
+        right = min((nw for nw in curve if nw > peak), default=None)
+        if right is not None and right - peak > 1 and curve[right] < (1 - self.tolerance) * curve[peak]:
+            return self._new(self._setting((peak + right) // 2))
+        return None
+
+    def _knee(self) -> Setting:
+        return self.choice() or self._setting(self.lo)
+
+    def _prefetch(self):
+        knee = self._knee()
+        if self.fixed_pf is None and knee.num_workers > 0:
+            at = {pf: self.trials.get(self._setting(knee.num_workers, pf, knee.worker_type)) for pf in PREFETCH}
+            t = {pf: tr.median for pf, tr in at.items() if tr is not None and tr.windows}
+            base = t.get(DEFAULT_PREFETCH)
+            order = []
+            if base is not None:
+                order.append(4)
+                if 4 in t:
+                    order.append(8 if t[4] > (1 + self.tolerance) * base else 1)
+            for pf in order:
+                if at[pf] is None:
+                    proposal = self._new(self._setting(knee.num_workers, pf, knee.worker_type))
+                    if proposal is not None:
+                        return proposal
+        self._phase = "types"
+        return _NEXT_PHASE
+
+    def _types(self):
+        chosen = self._knee()
+        if chosen.num_workers > 0:
+            for wt in self.types[1:]:
+                proposal = self._new(Setting(wt, chosen.num_workers, chosen.prefetch_factor))
+                if proposal is not None:
+                    return proposal
+        self._phase = "done"
+        return _NEXT_PHASE
+
+    def _done(self):
+        return None
+
+    @property
+    def done(self) -> bool:
+        return self._phase == "done"
+
+    # -- the answer -------------------------------------------------------------------------
+
+    def choice(self) -> Setting | None:
+        """The cheapest measured setting within tolerance of the best one (None before any)."""
+        measured = self._measured()
+        if not measured:
+            return None
+        best = max(t.median for t in measured)
+        good = [t.setting for t in measured if t.median >= (1 - self.tolerance) * best]
+        return min(good, key=self._cost)
+
+    def _cost(self, s: Setting) -> tuple:
+        return (s.num_workers, s.prefetch_factor or 0, self.types.index(s.worker_type))
+
+
+_NEXT_PHASE = object()  # a phase is over: ask the next one

@@ -1,0 +1,321 @@
+"""Auto-tuning: the search on synthetic curves, fastfeed.tune(), num_workers="auto" end to end, torchrun."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+import fastfeed
+from fastfeed.tuning import tune as tune_mod
+from fastfeed.tuning.result import Setting, Trial
+from fastfeed.tuning.search import Search
+
+pytestmark = pytest.mark.fastfeed_only
+
+
+class Busy(Dataset):
+    """Samples that cost ``cost_s`` of CPU each."""
+
+    def __init__(self, n=4000, cost_s=0.0, shape=(8,), sleep_s=0.0):
+        self.n, self.cost_s, self.shape, self.sleep_s = n, cost_s, shape, sleep_s
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if self.sleep_s:
+            time.sleep(self.sleep_s)  # I/O-like: workers help whatever the load on the cores
+        end = time.perf_counter() + self.cost_s
+        while time.perf_counter() < end:
+            pass
+        return torch.full(self.shape, i, dtype=torch.int64)
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(10))
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTFEED_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+# -- the search, on synthetic noisy curves -----------------------------------------------------
+
+
+def _search(curve, *, hi, noise=0.01, stall=0.5, seed=0, pf_gain=None, **kw):
+    rng = random.Random(seed)
+    search = Search(max_workers=hi, tolerance=0.03, **kw)
+    while (s := search.propose()) is not None:
+        level = curve(s.num_workers) * (pf_gain(s.prefetch_factor) if pf_gain and s.prefetch_factor else 1)
+        search.report(Trial(s, [level * (1 + rng.uniform(-noise, noise)) for _ in range(3)], stall_fraction=stall))
+    return search
+
+
+def _knee(curve, hi, tol=0.03):
+    best = max(curve(n) for n in range(hi + 1))
+    return min(n for n in range(hi + 1) if curve(n) >= (1 - tol) * best)
+
+
+CURVES = {
+    "cpu-bound, 4 cores": (lambda n: min(n, 4) * 100 - max(0, n - 4) * 8 if n else 60, 16),
+    "latency-bound": (lambda n: n * 50 if n else 20, 16),
+    "in-memory": (lambda n: 500 if n == 0 else 300, 8),
+    "saturating": (lambda n: 1000 * (1 - 0.5**n), 32),
+}
+
+
+@pytest.mark.parametrize("name", CURVES)
+@pytest.mark.parametrize("seed", range(5))
+def test_search_finds_the_knee_of_a_noisy_curve(name, seed):
+    """On each curve, with 1% noise, the choice is within 5% of the best and at most the knee + 1, in few trials."""
+    curve, hi = CURVES[name]
+    search = _search(curve, hi=hi, seed=seed)
+    chosen = search.choice()
+    best = max(curve(n) for n in range(hi + 1))
+    assert curve(chosen.num_workers) >= 0.95 * best
+    assert chosen.num_workers <= _knee(curve, hi) + 1
+    measured = [t for t in search.order if t.windows]
+    assert len(measured) <= 2 * (hi + 1).bit_length() + 3  # bisection, not a sweep
+
+
+def test_search_not_input_bound_takes_the_cheapest_and_stops():
+    """A small stall fraction at the small setting: fewer workers are tried while within tolerance, nothing else."""
+    search = _search(lambda n: 100 if n else 90, hi=16, stall=0.01)
+    assert not search.input_bound
+    assert search.choice() == Setting("process", 1, 2)
+    assert [t.setting.num_workers for t in search.order] == [2, 1, 0]
+
+
+def test_search_prefetch_follows_its_gain():
+    """prefetch 4 is kept when it gains more than the tolerance, else the search tries 1."""
+    gain = _search(lambda n: min(n, 2) * 100 + 1, hi=4, pf_gain=lambda pf: {1: 0.8, 2: 1, 4: 1.2, 8: 1.21}[pf])
+    assert gain.choice().prefetch_factor == 4
+    flat = _search(lambda n: min(n, 2) * 100 + 1, hi=4, pf_gain=lambda pf: 1.0)
+    assert flat.choice().prefetch_factor == 1
+
+
+def test_search_skips_what_does_not_fit_and_says_why():
+    """Settings the budget rejects are recorded as skipped, with the reason, and never measured."""
+    search = _search(lambda n: n * 100 + 1, hi=8, fits=lambda s: "over budget" if s.num_workers > 3 else None)
+    skipped = [t for t in search.order if t.skipped]
+    assert skipped and all(t.setting.num_workers > 3 and t.skipped == "over budget" for t in skipped)
+    assert search.choice().num_workers == 3
+
+
+# -- fastfeed.tune() ------------------------------------------------------------------------------
+
+
+def test_tune_chooses_workers_for_a_latency_bound_dataset_and_saves_a_config(tmp_path):
+    """A latency-bound dataset gets workers; the saved config builds a loader; the table lists every trial."""
+    ds = Busy(sleep_s=0.001)
+    result = fastfeed.tune(ds, batch_size=8, budget_s=60, max_workers=2)
+    assert result.converged and result.input_bound and result.num_workers >= 1
+    assert result.throughput > 0 and result.samples_per_s == pytest.approx(result.throughput * 8)
+    table = str(result)
+    assert all(f"{t.setting.num_workers:>3}" in table for t in result.trials)
+    path = tmp_path / "cfg.json"
+    result.save(path)
+    loader = fastfeed.DataLoader(ds, batch_size=8, **fastfeed.load_config(path))
+    assert (loader.num_workers, loader.prefetch_factor) == (result.num_workers, result.prefetch_factor)
+    assert next(iter(loader)).shape == (8, 8)
+
+
+def test_tune_recognises_a_slow_step_as_not_input_bound_quickly():
+    """A step much slower than loading: not input-bound, a cheap setting, well under 10 s."""
+    started = time.monotonic()
+    result = fastfeed.tune(Busy(cost_s=0.0), batch_size=4, step=0.05, max_workers=4)
+    assert not result.input_bound
+    assert result.num_workers <= 2
+    assert time.monotonic() - started < 10
+
+
+def test_tune_memory_budget_skips_settings_and_says_so():
+    """A budget of a few batches skips larger settings, naming the memory needed and the budget."""
+    ds = Busy(shape=(64 * 1024,))  # 512 KB samples, 4 MB batches
+    result = fastfeed.tune(ds, batch_size=8, max_workers=4, memory_budget=12 * 2**20)
+    skipped = [t for t in result.trials if t.skipped]
+    assert skipped and all("memory budget" in t.skipped for t in skipped)
+    assert result.num_workers * (result.prefetch_factor or 0) * 4 * 2**20 <= 12 * 2**20
+    assert "skipped" in str(result)
+
+
+def test_tune_budget_too_small_returns_best_so_far_with_a_warning():
+    """A budget shorter than one trial: the first trial's answer, converged=False, and a RuntimeWarning."""
+    with pytest.warns(RuntimeWarning, match="budget"):
+        result = fastfeed.tune(Busy(cost_s=0.0002), batch_size=8, budget_s=0.01, max_workers=4)
+    assert not result.converged
+    assert result.trials and result.trials[0].windows
+
+
+def test_tune_step_that_raises_propagates_and_leaves_no_worker():
+    """An exception in the step reaches the caller; the leak check confirms no worker is left."""
+    def step(batch):
+        raise KeyError("boom in step")
+
+    with pytest.raises(KeyError, match="boom in step"):
+        fastfeed.tune(Busy(), batch_size=4, step=step, max_workers=2)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(budget_s=0), "budget_s"),
+    (dict(tolerance=1.5), "tolerance"),
+    (dict(max_workers=-1), "max_workers"),
+    (dict(worker_types=("fiber",)), "worker_types"),
+    (dict(step="fast"), "step"),
+    (dict(memory_budget=0), "memory_budget"),
+    (dict(num_workers=2), "tune\\(\\) chooses num_workers"),
+])  # fmt: skip
+def test_tune_rejects_bad_values(kwargs, match):
+    """Bad tuning arguments raise ValueError naming the argument."""
+    with pytest.raises(ValueError, match=match):
+        fastfeed.tune(Busy(n=64), batch_size=4, **kwargs)
+
+
+# -- DataLoader(num_workers="auto") -----------------------------------------------------------------
+
+
+def _first_column(loader):
+    return torch.cat([b[:, 0].clone() for b in loader])
+
+
+def test_auto_tunes_on_the_first_epoch_with_fixed_order_and_caches(cache_dir):
+    """The tuning epoch yields every sample once, in a fixed setting's order (epochs 1 and 2), then the cache hits."""
+    ds = Busy(n=8000, cost_s=0.00005)
+    torch.manual_seed(7)
+    auto = fastfeed.DataLoader(ds, batch_size=4, shuffle=True, num_workers="auto")
+    assert auto.tune_result is None and auto._ff_tuner is not None
+    tuned = [_first_column(auto), _first_column(auto)]
+    torch.manual_seed(7)
+    fixed = torch.utils.data.DataLoader(ds, batch_size=4, shuffle=True, num_workers=0)
+    reference = [_first_column(fixed), _first_column(fixed)]
+    for got, want in zip(tuned, reference):
+        assert torch.equal(got, want)
+    assert sorted(tuned[0].tolist()) == list(range(len(ds)))
+    result = auto.tune_result
+    assert result is not None and len(result.trials) >= 2
+    assert (auto.num_workers, auto.prefetch_factor) == (result.num_workers, result.prefetch_factor)
+    entries = json.loads((cache_dir / "tune.json").read_text())["entries"]
+    assert len(entries) == 1
+    again = fastfeed.DataLoader(ds, batch_size=4, shuffle=True, num_workers="auto")
+    assert again._ff_tuner is None and again.tune_result.setting == result.setting
+
+
+def test_auto_prefetch_only_keeps_num_workers():
+    """prefetch_factor="auto" with a fixed num_workers searches only the prefetch factor."""
+    loader = fastfeed.DataLoader(Busy(n=4000), batch_size=4, num_workers=1, prefetch_factor="auto")
+    assert sum(len(b) for b in loader) == 4000
+    assert loader.num_workers == 1 and {t.setting.num_workers for t in loader.tune_result.trials} == {1}
+
+
+def test_auto_state_dict_during_tuning_epoch_is_a_clear_error():
+    """state_dict() while the tuning epoch runs names the problem and the way out."""
+    loader = fastfeed.DataLoader(Busy(n=400), batch_size=4, num_workers="auto")
+    it = iter(loader)
+    next(it)
+    with pytest.raises(RuntimeError, match="tuning epoch"):
+        loader.state_dict()
+    del it
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(num_workers="autoo"), ValueError, "num_workers='autoo'.*'auto'"),
+    (dict(num_workers=2, prefetch_factor="max"), ValueError, "prefetch_factor='max'.*'auto'"),
+    (dict(num_workers="auto", persistent_workers=True, prefetch_factor="fast"), ValueError, "prefetch_factor"),
+])  # fmt: skip
+def test_auto_bad_values(kwargs, error, match):
+    """Misspelt "auto" values raise ValueError naming the valid values."""
+    with pytest.raises(error, match=match):
+        fastfeed.DataLoader(Busy(n=8), batch_size=4, **kwargs)
+
+
+def test_auto_prefetch_without_workers_is_torchs_error():
+    """prefetch_factor="auto" with num_workers=0 raises torch's own error for a prefetch factor without workers."""
+    with pytest.raises(ValueError) as torch_error:
+        torch.utils.data.DataLoader(Busy(n=8), batch_size=4, num_workers=0, prefetch_factor=2)
+    with pytest.raises(ValueError) as ours:
+        fastfeed.DataLoader(Busy(n=8), batch_size=4, num_workers=0, prefetch_factor="auto")
+    assert str(ours.value) == str(torch_error.value)
+
+
+def test_auto_iterable_dataset_is_a_clear_error():
+    """An IterableDataset cannot switch settings mid-epoch: the error says to use fastfeed.tune and a config."""
+    with pytest.raises(ValueError, match="IterableDataset.*load_config"):
+        fastfeed.DataLoader(Stream(), batch_size=2, num_workers="auto")
+
+
+# -- the measurement layer ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_stats_report_waits_steps_and_worker_times(worker_type):
+    """stats() counts the batches, times the workers' fetches, and sees a slow step as a low stall fraction."""
+    loader = fastfeed.DataLoader(Busy(n=160, cost_s=0.0005), batch_size=4, num_workers=2, worker_type=worker_type)
+    for _ in loader:
+        time.sleep(0.01)
+    st = loader.stats()
+    assert st.batches == 40 and st.num_workers == 2 and len(st.worker_busy) == 2
+    assert st.fetch_mean_s >= 4 * 0.0005
+    assert st.step_p50_s >= 0.01 and 0 <= st.stall_fraction < 0.5
+    assert all(0 < b <= 1 for b in st.worker_busy)
+    assert "stall" in str(st)
+
+
+def test_stats_off_records_nothing(monkeypatch):
+    """FASTFEED_STATS=0 turns the layer off: stats() is empty."""
+    monkeypatch.setenv("FASTFEED_STATS", "0")
+    loader = fastfeed.DataLoader(Busy(n=16), batch_size=4, num_workers=1)
+    assert len(list(loader)) == 4
+    assert loader.stats().batches == 0
+
+
+# -- torch.distributed -----------------------------------------------------------------------------
+
+
+RANKS_SCRIPT = """
+import json, os, sys, time
+import torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+from test_tune import Busy
+import fastfeed
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+# Each rank's own optimum differs (rank 1's samples cost much more), so only agreement makes them equal.
+ds = Busy(n=6000, cost_s=0.0 if rank == 0 else 0.0004)
+tuned = fastfeed.tune(ds, batch_size=4, max_workers=3, budget_s=30)
+loader = fastfeed.DataLoader(ds, batch_size=4, num_workers="auto")
+for epoch in range(4):
+    for _ in loader:
+        pass
+    dist.barrier()
+print(json.dumps({{"rank": rank, "tune": tuned.loader_kwargs(), "auto": loader.tune_result.loader_kwargs(),
+                   "loader": [loader.num_workers, loader.prefetch_factor]}}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.hang_limit(240)
+def test_torchrun_ranks_end_with_rank_zeros_choice(tmp_path):
+    """Under torchrun (2 ranks, gloo), fastfeed.tune and num_workers="auto" give every rank rank 0's result."""
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", str(script)], capture_output=True,
+                         text=True, timeout=220, env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    reports = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 2
+    a, b = reports
+    assert a["tune"] == b["tune"]
+    assert a["auto"] == b["auto"] and a["loader"] == b["loader"]
