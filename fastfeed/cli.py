@@ -2,6 +2,8 @@
 
 fastfeed cleanup [--dir DIR]   unlink segments left by fastfeed processes that were killed
 fastfeed info [--json]         the machine, this rank's placement plan, what is available
+fastfeed tune module:attr ...  measure loader settings for a dataset; print them, save the best (--out)
+fastfeed tune --show|--clear   list or empty the tuning cache
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import sys
 
 from . import config
 from ._ring import segments
+from .tuning import cli as tune_cli
 
 
 def _cleanup(args) -> int:
@@ -39,6 +42,7 @@ def main(argv=None) -> int:
     p = sub.add_parser("info", help="topology, placement plan and what is available (paste it into bug reports)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(run=_info)
+    tune_cli.add_parser(sub)
     args = parser.parse_args(argv)
     return args.run(args)
 
