@@ -670,7 +670,8 @@ def write_results(script: str, result: dict, out_dir: Path) -> tuple[Path, Path]
 
 
 def run_script(script: str, comparisons: list[Comparison], args: argparse.Namespace,
-               figures: Sequence[str] = tuple(FIGURES), quiet: bool = False) -> dict:
+               figures: Sequence[str] = tuple(FIGURES), quiet: bool = False,
+               baseline: tuple[type, str] = (TorchDataLoader, "torch")) -> dict:
     """Run every comparison, print one line per figure, write JSON and CSV.
 
     Args:
@@ -679,13 +680,16 @@ def run_script(script: str, comparisons: list[Comparison], args: argparse.Namesp
         args: Parsed common flags (see :func:`parse_args`).
         figures: Figures to print (the JSON holds all of them).
         quiet: Print nothing but the output paths (the demo prints its own table).
+        baseline: The baseline class and its name (torch's DataLoader, unless a script asks
+            another question: overhead.py --stats compares fastfeed with its stats off).
 
     Returns:
         The result: ``workload``, ``params``, ``rounds`` (trial records) and ``summary``
         (``"<workload> <label>"`` -> figure -> stats; see :class:`Comparison` for variants' keys).
     """
     candidate, cand_name = resolve_candidate(args.candidate)
-    names = (cand_name, "torch")
+    base_cls, base_name = baseline
+    names = (cand_name, base_name)
     if args.mp_context in ("spawn", "forkserver"):
         # Start these helpers now, so that they are not charged to the first trial.
         from multiprocessing import forkserver, resource_tracker
@@ -693,18 +697,18 @@ def run_script(script: str, comparisons: list[Comparison], args: argparse.Namesp
         if args.mp_context == "forkserver":
             forkserver.ensure_running()
     say = (lambda *a: None) if quiet else print
-    say(f"# candidate {cand_name} = {candidate.__module__}.{candidate.__qualname__}, baseline torch; "
+    say(f"# candidate {cand_name} = {candidate.__module__}.{candidate.__qualname__}, baseline {base_name}; "
         f"{args.rounds} rounds, {os.cpu_count()} CPUs, torch {torch.__version__}")
     records, summary = [], {}
     load_start = os.getloadavg()
     for comp in comparisons:
-        recs = compare(comp, candidate, TorchDataLoader, args.rounds, args.mp_context, names)
+        recs = compare(comp, candidate, base_cls, args.rounds, args.mp_context, names)
         key = f"{comp.workload.name} {comp.label}"
         records += recs
         cand = _tagged(cand_name, comp.candidate_tag)
-        ratios = [(key, "candidate", "baseline", (cand, "torch"))]  # summary key, num, den, names
+        ratios = [(key, "candidate", "baseline", (cand, base_name))]  # summary key, num, den, names
         for tag in comp.variants:
-            ratios += [(f"{key} {tag}", tag, "baseline", (_tagged(cand_name, tag), "torch")),
+            ratios += [(f"{key} {tag}", tag, "baseline", (_tagged(cand_name, tag), base_name)),
                        (f"{key} {tag}/{comp.candidate_tag or 'candidate'}", tag, "candidate",
                         (_tagged(cand_name, tag), cand))]
         for skey, num, den, pair in ratios:
@@ -716,7 +720,7 @@ def run_script(script: str, comparisons: list[Comparison], args: argparse.Namesp
         params=dict(
             script=script, argv=sys.argv[1:], quick=args.quick, rounds=args.rounds, mp_context=args.mp_context,
             candidate=cand_name, candidate_class=f"{candidate.__module__}.{candidate.__qualname__}",
-            baseline_class="torch.utils.data.DataLoader",
+            baseline_class=f"{base_cls.__module__}.{base_cls.__qualname__}",
             comparisons=[dict(asdict(c), workload=c.workload.name, epochs=c.epochs) for c in comparisons],
             python=platform.python_version(), torch=torch.__version__, numpy=np.__version__,
             cpus=os.cpu_count(), torch_threads=torch.get_num_threads(), machine=platform.platform(), git=_git_commit(),

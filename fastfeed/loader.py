@@ -132,6 +132,11 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             self.numa_plan = affinity.plan_for(self.numa, self._cuda_target(), self.num_workers)
         return RingDataLoaderIter(self, self._ring_for, resume, self._ff_stage)
 
+    def check_worker_number_rationality(self):
+        # A count the tuner chose by measuring, above the cores or not, needs no warning about it.
+        if self.tune_result is None or self.num_workers != self.tune_result.num_workers:
+            super().check_worker_number_rationality()
+
     def _ring_for(self, quiet: int, pin: bool, numa_node: int | None) -> Ring:
         """The ring of batch slots for a new iterator: the last one, unless another iterator still writes into it.
 

@@ -335,3 +335,15 @@ def test_batches_can_be_modified_in_place():
         held.append((number, batch))
         for n, kept in held:
             assert_same(kept, edited(n), f"batch {n}, held at batch {number}")
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_workers_run_when_stderr_is_not_a_file(context):
+    """With sys.stderr replaced by an object without a descriptor (a notebook, pytest's capsys), workers still run."""
+    import contextlib
+    import io
+
+    with contextlib.redirect_stderr(io.StringIO()):
+        got = [b["index"].tolist() for b in loader(ds.PlainDataset(8), batch_size=2, num_workers=2,
+                                                      multiprocessing_context=context)]  # fmt: skip
+    assert got == [[0, 1], [2, 3], [4, 5], [6, 7]]

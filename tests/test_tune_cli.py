@@ -49,7 +49,7 @@ def fake_tune(monkeypatch):
 
 
 def _epoch(loader):
-    return torch.cat([batch.reshape(-1, 2)[:, 0] for batch in loader]).sort().values
+    return torch.cat([batch.reshape(-1, 2)[:, 0].clone() for batch in loader]).sort().values
 
 
 @pytest.mark.parametrize(
@@ -125,6 +125,16 @@ def test_writes_config_the_loader_accepts(fake_tune, tmp_path, capfd):
     assert kwargs == {"num_workers": 2, "prefetch_factor": 3, "worker_type": "process"}
     loader = fastfeed.DataLoader(_tune_targets.rows, batch_size=8, **kwargs)
     assert torch.equal(_epoch(loader), torch.arange(64.0))
+
+
+def test_result_is_cached_for_auto_loaders(fake_tune, cache_dir, capfd):
+    """The CLI's result lands in the cache, where a num_workers="auto", prefetch_factor="auto" loader finds it."""
+    assert cli.main(["tune", "_tune_targets:rows", "--batch-size", "8"]) == 0
+    assert "cached in" in capfd.readouterr().err
+    loader = fastfeed.DataLoader(_tune_targets.rows, batch_size=8, num_workers="auto", prefetch_factor="auto")
+    assert loader._ff_tuner is None
+    assert (loader.num_workers, loader.prefetch_factor) == (2, 3)
+    assert loader.tune_result == fake_tune.result
 
 
 def test_json_output(fake_tune, tmp_path, capsys):

@@ -14,6 +14,7 @@ import faulthandler
 import os
 import random
 import select
+import sys
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -188,6 +189,15 @@ def _pipe_reader(task_conn, parent_pid: int) -> Callable[[], Any]:
     return get
 
 
+def _stderr_fd() -> int:
+    """Where a worker prints its stacks: stderr's descriptor, even when ``sys.stderr`` is no file
+    (pytest's capture, a notebook), which would make ``faulthandler`` raise in every worker."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, ValueError, OSError):
+        return 2
+
+
 def worker_main(worker_id, spec: WorkerSpec, parent_pid, resume, task_conn, result_conn):
     """Entry point of one worker process.
 
@@ -198,7 +208,7 @@ def worker_main(worker_id, spec: WorkerSpec, parent_pid, resume, task_conn, resu
         signal_handling._set_worker_signal_handlers()
         affinity.apply(spec.placement)  # first: what this worker allocates from here on lands on its node
         # `kill -USR1 <pid>` (or FASTFEED_HANG_DUMP_S) prints where this worker is stuck.
-        faulthandler.register(DUMP_SIGNAL, all_threads=True)
+        faulthandler.register(DUMP_SIGNAL, file=_stderr_fd(), all_threads=True)
         torch.multiprocessing._set_thread_name("ff_data_worker")
         # A forked OpenMP pool deadlocks, and workers share the cores anyway.
         torch.set_num_threads(1)

@@ -29,7 +29,7 @@ from tqdm import tqdm
 import fastfeed
 
 from ..loader import WORKER_TYPES
-from .cache import Cache
+from .cache import Cache, fingerprint, key_of
 
 
 class TargetError(Exception):
@@ -112,12 +112,26 @@ def _tune(args, dataset, base: dict, step, worker_types) -> int:
     finally:
         bar.close()
     print(json.dumps(result.as_dict()) if args.json else str(result))
+    _remember(dataset, base, result)
     if args.out:
         result.save(args.out)
         # With --json, stdout is for the JSON alone.
         print(f"saved to {args.out}: DataLoader(dataset, **fastfeed.load_config({args.out!r}))",
               file=sys.stderr if args.json else sys.stdout)  # fmt: skip
     return 0
+
+
+def _remember(dataset, base: dict, result) -> None:
+    """Save the result in the tuning cache, where ``DataLoader(num_workers="auto", prefetch_factor="auto")``
+    with the same dataset, batch size, collate function and worker type finds it (the same search space)."""
+    from .auto import AUTO
+
+    batch_size = None if "batch_sampler" in base else base.get("batch_size", 1)
+    fp = fingerprint(dataset, batch_size=batch_size, collate_fn=base.get("collate_fn"),
+                     worker_type=result.worker_type, space={"num_workers": AUTO, "prefetch_factor": AUTO})  # fmt: skip
+    cache = Cache()
+    cache.put(key_of(fp), result, fp)
+    print(f"cached in {cache.path} for DataLoader(..., num_workers='auto', prefetch_factor='auto')", file=sys.stderr)
 
 
 def load_target(spec: str) -> tuple:

@@ -135,7 +135,10 @@ def _run(loader, trial, step, tolerance, deadline, window_s, first, started) -> 
 
 def _windows(loader, trial: Trial, step, tolerance: float, deadline: float, window_s: float, least: int) -> None:
     it = iter(loader)
-    first = next(it)
+    try:
+        first = next(it)
+    except StopIteration:
+        raise ValueError("the loader yields no batches: nothing to tune") from None
     trial.batch_bytes = batch_bytes(first)
     del first
     warm = (loader.num_workers * (loader.prefetch_factor or 0)) + 1
@@ -145,8 +148,6 @@ def _windows(loader, trial: Trial, step, tolerance: float, deadline: float, wind
         if time.monotonic() > deadline and len(trial.windows) >= least:
             raise OutOfTime(trial)
         rate, wait, stepped = feed.window(window_s)
-        if rate is None:
-            continue  # an epoch ended inside the window: measure again after the warm-up
         trial.windows.append(rate)
         waits, steps = waits + wait, steps + stepped
     trial.stall_fraction = waits / (waits + steps) if waits + steps > 0 else 0.0
@@ -156,41 +157,43 @@ def _windows(loader, trial: Trial, step, tolerance: float, deadline: float, wind
 
 
 class _Feed:
-    """Batches from ``loader`` with the step run on each; a new epoch (and warm-up) when one ends."""
+    """Batches from ``loader`` with the step run on each, epoch after epoch, timed as the stats time them.
+
+    A window may span an epoch's end: an epoch shorter than a window is what the loop runs,
+    and ``persistent_workers`` keeps the workers, so the restart is part of the figure.
+    """
 
     def __init__(self, loader, it, step, warm: int):
-        self.loader, self.it, self.step, self.warm = loader, it, step, warm
-        self._warm_up(warm - 1)  # the first batch was taken already
+        self.loader, self.it, self.step = loader, it, step
+        self.wait = self.stepped = 0.0  # seconds in next() and in the step (and the loop)
+        for _ in range(warm - 1):  # the first batch was taken already
+            self._next()
 
-    def _next(self) -> bool:
-        """One batch and its step; False when the epoch ended (and a new one began)."""
+    def _next(self) -> None:
+        t0 = time.perf_counter()
         try:
             batch = next(self.it)
         except StopIteration:
             self.it = iter(self.loader)
-            self._warm_up(self.warm)
-            return False
+            try:
+                batch = next(self.it)
+            except StopIteration:
+                raise ValueError("the loader yields no batches: nothing to tune") from None
+        t1 = time.perf_counter()
         if self.step is not None:
             self.step(batch)
-        return True
+        self.wait += t1 - t0
+        self.stepped += time.perf_counter() - t1
 
-    def _warm_up(self, n: int) -> None:
-        for _ in range(n):
-            if not self._next():
-                return
-
-    def window(self, seconds: float) -> tuple[float | None, float, float]:
-        """(batches/s, Σwait, Σstep) over one window, or (None, ...) when an epoch ended inside it."""
-        rec = self.loader._ff_stats
-        first = rec.batches if rec is not None else 0
+    def window(self, seconds: float) -> tuple[float, float, float]:
+        """(batches/s, Σwait, Σstep) over one window."""
+        wait0, step0 = self.wait, self.stepped
         sync()
         t0 = time.perf_counter()
         n = 0
         while n < WINDOW_BATCHES or time.perf_counter() - t0 < seconds:
-            if not self._next():
-                return None, 0.0, 0.0
+            self._next()
             n += 1
         sync()
         elapsed = time.perf_counter() - t0
-        wait, stepped = rec.window(first, first + n) if rec is not None else (0.0, 0.0)
-        return n / elapsed, wait, stepped
+        return n / elapsed, self.wait - wait0, elapsed - (self.wait - wait0)

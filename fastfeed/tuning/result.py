@@ -34,7 +34,7 @@ class Trial:
 
     Attributes:
         windows: batches/s of each window, warm-up excluded.
-        stall_fraction: over the windows: Σwait / (Σwait + Σstep) (0 when no step runs).
+        stall_fraction: over the windows: Σwait / (Σwait + Σstep) (near 1 with no step: the loop only loads).
         skipped: why the setting was not measured (memory budget, CPU limit), or None.
         seconds: wall time the trial took, start-up and warm-up included.
         batch_bytes: bytes of tensor data in one batch.

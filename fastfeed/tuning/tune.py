@@ -182,6 +182,8 @@ def tune(dataset, *, step=None, budget_s: float = 60, max_workers: int | None = 
         except measure.OutOfTime as out:
             if out.trial is not None:
                 search.report(out.trial)
+                if on_trial is not None:
+                    on_trial(out.trial, search.trials.get(search.choice()))
             converged = False
             break
         budget.learn(trial)
