@@ -9,7 +9,7 @@ Five workloads, each with a different optimum:
 
 For each, in the same run: the grid measures every setting of nw 0..max x pf {1, 2, 4, 8} with
 the tuner's own measurement (fastfeed.tuning.measure), then fastfeed.tune() runs 3 times. The
-tuned settings and the grid's best are then measured head to head, interleaved, 3 rounds, so
+tuned settings and the grid's best are then measured head to head, interleaved, 5 rounds, so
 the winner's curse of a max over many noisy medians does not count against the tuner.
 
 Reported per workload: throughput ratio tuned / grid best (bar >= 0.95), tuning time / grid
@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import fastfeed  # noqa: E402
-from fastfeed.tuning import measure, tune as tune_mod  # noqa: E402
+from fastfeed.tuning import measure, offline  # noqa: E402
 from fastfeed.tuning.result import Setting  # noqa: E402
 
 TOLERANCE = 0.03
@@ -98,7 +98,7 @@ WORKLOADS = {
     "a": ("cpu", lambda: CpuBound(), dict(batch_size=16), None),
     "b": ("latency", lambda: LatencyBound(cost_s=0.001), dict(batch_size=16), None),
     "c": ("step", lambda: CpuBound(cost_s=0.00005), dict(batch_size=16), 0.05),
-    "d": ("memory", lambda: InMemory(), dict(batch_size=64), None),
+    "d": ("memory", lambda: InMemory(), dict(batch_size=16), None),
     "e": ("tail", lambda: HeavyTail(), dict(batch_size=16), None),
 }
 
@@ -204,8 +204,8 @@ def main(argv=None) -> dict:
     p.add_argument("--out", type=Path, default=REPO / "bench-results")
     args = p.parse_args(argv)
     letters = args.workloads or (["b", "c"] if args.quick else sorted(WORKLOADS))
-    max_workers = args.max_workers or (2 if args.quick else 2 * tune_mod.rank_cpus())
-    reruns, rounds = (1, 1) if args.quick else (3, 3)
+    max_workers = args.max_workers or (2 if args.quick else 2 * offline.rank_cpus())
+    reruns, rounds = (1, 1) if args.quick else (3, 5)
     print(f"# fastfeed.tune vs an exhaustive grid (nw 0..{max_workers} x pf {PREFETCH}); {os.cpu_count()} CPUs, "
           f"torch {torch.__version__}, loadavg {os.getloadavg()[0]:.2f}")  # fmt: skip
     rows = []

@@ -13,7 +13,6 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 
 import fastfeed
-from fastfeed.tuning import tune as tune_mod
 from fastfeed.tuning.result import Setting, Trial
 from fastfeed.tuning.search import Search
 
@@ -96,12 +95,15 @@ def test_search_not_input_bound_takes_the_cheapest_and_stops():
     assert [t.setting.num_workers for t in search.order] == [2, 1, 0]
 
 
-def test_search_prefetch_follows_its_gain():
-    """prefetch 4 is kept when it gains more than the tolerance, else the search tries 1."""
+def test_search_prefetch_follows_its_gain_and_memory():
+    """prefetch 4 is kept when it gains more than the tolerance; 1 is tried only when memory is tight."""
     gain = _search(lambda n: min(n, 2) * 100 + 1, hi=4, pf_gain=lambda pf: {1: 0.8, 2: 1, 4: 1.2, 8: 1.21}[pf])
     assert gain.choice().prefetch_factor == 4
     flat = _search(lambda n: min(n, 2) * 100 + 1, hi=4, pf_gain=lambda pf: 1.0)
-    assert flat.choice().prefetch_factor == 1
+    assert flat.choice().prefetch_factor == 2
+    assert all(t.setting.prefetch_factor != 1 for t in flat.order)
+    tight = _search(lambda n: min(n, 2) * 100 + 1, hi=4, pf_gain=lambda pf: 1.0, tight=lambda s: True)
+    assert tight.choice().prefetch_factor == 1
 
 
 def test_search_skips_what_does_not_fit_and_says_why():

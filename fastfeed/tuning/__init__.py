@@ -2,7 +2,7 @@
 
 - ``search``: the search (pure: it proposes settings and reads their measurements);
 - ``measure``: runs one setting for warm-up plus windows, with the user's step;
-- ``tune``: ``fastfeed.tune()``, offline, on fresh loaders;
+- ``offline``: ``fastfeed.tune()``, on fresh loaders;
 - ``online``: ``DataLoader(num_workers="auto")``, tuned on the first epoch the user consumes;
 - ``cache``: results keyed by dataset, loader and host, in a JSON file;
 - ``agree``: every rank ends with rank 0's result under ``torch.distributed``;
@@ -10,6 +10,6 @@
 """
 
 from .result import Setting, Trial, TuneResult, load_config
-from .tune import tune
+from .offline import tune
 
 __all__ = ["Setting", "Trial", "TuneResult", "load_config", "tune"]

@@ -67,7 +67,7 @@ def take(args: tuple, kwargs: dict) -> tuple[tuple, Auto | None]:
 
 def start(loader, auto: Auto) -> None:
     """Resolve ``"auto"`` on a constructed loader: from the cache, or by giving it an online tuner."""
-    from .tune import Budget, min_workers_for, rank_cpus
+    from .offline import Budget, min_workers_for, rank_cpus
 
     if isinstance(loader.dataset, IterableDataset):
         raise ValueError(
@@ -96,7 +96,7 @@ def start(loader, auto: Auto) -> None:
     search = Search(
         max_workers=2 * rank_cpus({"device": loader.device, "numa": loader.numa}), tolerance=TOLERANCE,
         worker_types=(loader.worker_type,), num_workers=fixed_nw, prefetch_factor=fixed_pf,
-        min_workers=min_workers, fits=budget,
+        min_workers=min_workers, fits=budget, tight=budget.tight,
     )  # fmt: skip
 
     def settle(result: TuneResult) -> None:

@@ -52,7 +52,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=_positive(int), metavar="N",
                    help="samples per batch (overrides a DataLoader target's)")  # fmt: skip
     p.add_argument("--budget", type=_positive(float), default=60.0, metavar="S", help="seconds to spend (default 60)")
-    p.add_argument("--max-workers", type=_positive(int), metavar="N", help="most workers to try (default: the CPUs)")
+    p.add_argument("--max-workers", type=_positive(int), metavar="N",
+                   help="most workers to try (default: twice this rank's CPUs)")  # fmt: skip
     p.add_argument("--tolerance", type=float, default=0.03, metavar="F",
                    help="take the cheapest setting within this fraction of the best (default 0.03)")  # fmt: skip
     p.add_argument("--worker-types", type=_worker_types, metavar="LIST",

@@ -20,7 +20,7 @@ from .result import Setting, Trial
 
 MIN_WINDOWS = 3
 MAX_WINDOWS = 6
-WINDOW_S = 0.3  # the shortest window...
+WINDOW_S = 0.5  # the shortest window...
 WINDOW_BATCHES = 4  # ...and its fewest batches
 
 
@@ -48,6 +48,13 @@ def sync() -> None:
     """Wait for queued GPU work, so that a window's edges count the GPU time of its steps."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+
+
+def load_seconds(st) -> float | None:
+    """A worker's seconds per batch (fetch and collate), from a loader's ``Stats``."""
+    if st.fetch_mean_s is None:
+        return None
+    return st.fetch_mean_s + (st.collate_mean_s or 0.0)
 
 
 def batch_bytes(batch) -> int:
@@ -151,6 +158,7 @@ def _windows(loader, trial: Trial, step, tolerance: float, deadline: float, wind
         trial.windows.append(rate)
         waits, steps = waits + wait, steps + stepped
     trial.stall_fraction = waits / (waits + steps) if waits + steps > 0 else 0.0
+    trial.load_s = load_seconds(loader.stats())
     it = loader._iterator
     if it is not None and not it._threads:
         trial.worker_bytes = private_bytes(it._pool.pids)

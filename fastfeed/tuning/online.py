@@ -25,7 +25,7 @@ from .. import affinity, stats
 from .._iterator import RingDataLoaderIter
 from .._single import SingleProcessIter
 from . import agree
-from .measure import MAX_WINDOWS, MIN_WINDOWS, WINDOW_BATCHES, batch_bytes, private_bytes
+from .measure import MAX_WINDOWS, MIN_WINDOWS, WINDOW_BATCHES, batch_bytes, load_seconds, private_bytes
 from .result import Setting, Trial, TuneResult
 from .search import Search
 
@@ -83,7 +83,7 @@ class OnlineTuner:
 
     Args:
         search: the search over the allowed settings.
-        budget: ``tune.Budget``, told what each trial measured.
+        budget: ``offline.Budget``, told what each trial measured.
         settle: called with the ``TuneResult`` once chosen (and again if rank 0's differs).
         tag: the name of this tuning in the process group's store (``agree``).
     """
@@ -146,7 +146,6 @@ class TuningIter(stats.Measured, _Epoch):
         self._gate: _Gate | None = None
         self._run: _Run | None = None
         self._finished = False
-        self._num_workers = 0
         self._started = time.monotonic()
         self._tuned = 0  # batches spent on trials this epoch
         self._share = max(1, int(len(loader) * EPOCH_SHARE)) if _sized(loader) else None
@@ -195,7 +194,7 @@ class TuningIter(stats.Measured, _Epoch):
             if self._current is None:
                 if self._finished:
                     raise StopIteration
-                self._begin(self._next_setting())
+                self._begin(*self._next_setting())
             self._progress()
             try:
                 data = next(self._current)
@@ -212,24 +211,24 @@ class TuningIter(stats.Measured, _Epoch):
                 self._tuner.budget.batch_bytes = batch_bytes(data)
             return data
 
-    def _next_setting(self) -> Setting:
+    def _next_setting(self) -> tuple[Setting, bool]:
+        """The setting for the next stretch of the epoch, and whether it is a trial to measure."""
         tuner = self._tuner
         if tuner.result is not None:
-            return tuner.result.setting
+            return tuner.result.setting, False
         elapsed = tuner.spent_s + (time.monotonic() - self._started)
         proposal = tuner.search.propose()
         if proposal is None:
-            return tuner.finish(True, elapsed).setting
+            return tuner.finish(True, elapsed).setting, False
         spent = elapsed > BUDGET_S or (self._share is not None and self._tuned >= self._share)
         if spent and tuner.search.choice() is not None:
-            return tuner.finish(False, elapsed).setting
-        return proposal
+            return tuner.finish(False, elapsed).setting, False
+        return proposal, True
 
-    def _begin(self, setting: Setting) -> None:
+    def _begin(self, setting: Setting, trial: bool) -> None:
         loader = self._loader
         loader.num_workers, loader.prefetch_factor = setting.num_workers, setting.prefetch_factor
         loader.worker_type = setting.worker_type
-        self._num_workers = setting.num_workers
         self._gate = _Gate(self._shared)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
@@ -244,11 +243,10 @@ class TuningIter(stats.Measured, _Epoch):
         self._base_seed = it._base_seed
         self._current = it
         self._stats.num_workers, self._stats.prefetch_factor = setting.num_workers, setting.prefetch_factor
-        tuning = self._tuner.result is None and setting not in self._tuner.search.trials
         # Warm-up: the batches made while the workers started, at most a quarter of the trial.
         warm = min(setting.num_workers * (setting.prefetch_factor or 0) + 1, self._per_trial // 4)
         window = max(WINDOW_BATCHES, (self._per_trial - warm) // MIN_WINDOWS)
-        self._run = _Run(Trial(setting), self._stats.batches, warm, window) if tuning else None
+        self._run = _Run(Trial(setting), self._stats.batches, warm, window) if trial else None
         self._run_start = self._stats.batches
         self._run_began = time.monotonic()
 
@@ -257,8 +255,11 @@ class TuningIter(stats.Measured, _Epoch):
         run = self._run
         if run is not None and self._gate.open and run.update(self._stats, self._tuner.tolerance):
             self._gate.open = False
-            pool = getattr(self._current, "_pool", None)
-            if pool is not None and not self._current._threads:  # its workers' memory, while they live
+            current = self._current
+            if current._stats is not None:
+                run.trial.load_s = load_seconds(stats.Stats.of(current._stats))
+            pool = getattr(current, "_pool", None)
+            if pool is not None and not current._threads:  # its workers' memory, while they live
                 run.trial.worker_bytes = private_bytes(pool.pids)
         if self._tuner.result is not None and not self._tuner.agreed and self._gate.open:
             now = time.monotonic()

@@ -39,6 +39,8 @@ class Trial:
         seconds: wall time the trial took, start-up and warm-up included.
         batch_bytes: bytes of tensor data in one batch.
         worker_bytes: private memory of one worker process (0 for threads or nw=0).
+        load_s: seconds a worker spent on one batch (fetch and collate; None with nw=0): what
+            loading it in the main process, as ``num_workers=0`` does, would take.
     """
 
     setting: Setting
@@ -48,6 +50,7 @@ class Trial:
     seconds: float = 0.0
     batch_bytes: int = 0
     worker_bytes: int = 0
+    load_s: float | None = None
 
     @property
     def median(self) -> float:
@@ -68,7 +71,7 @@ class Trial:
     @classmethod
     def from_dict(cls, d: dict) -> Trial:
         return cls(Setting(**d["setting"]), list(d["windows"]), d["stall_fraction"], d["skipped"], d["seconds"],
-                   d.get("batch_bytes", 0), d.get("worker_bytes", 0))  # fmt: skip
+                   d.get("batch_bytes", 0), d.get("worker_bytes", 0), d.get("load_s"))  # fmt: skip
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The search: which setting to measure next, and which to choose. Pure: it never measures.
 
-The driver (``tune.tune`` offline, ``online.OnlineTuner`` on the user's own epoch) asks
+The driver (``offline.tune``, ``online.OnlineTuner`` on the user's own epoch) asks
 ``propose()`` for a setting, measures it and hands the ``Trial`` back with ``report()``,
 until ``propose()`` returns None; ``choice()`` is the answer, at any point.
 
@@ -11,15 +11,21 @@ The phases:
    stay within tolerance, and nothing else: a tuner that spends minutes finding nothing to
    gain is a cost.
 2. **The knee in ``num_workers``**, by bisection over ``[min, max]`` at a fixed prefetch:
+   ``num_workers=0`` is another regime (no transport at all; loading in the loop), so it is
+   not bisected: it is measured when the workers' own per-batch time says that loading in
+   the loop could come within ``ZERO_MARGIN`` of the best seen (in-memory data, say).
    the smallest count within ``tolerance`` of the best throughput seen. When the best point
    has an unmeasured gap to a clearly worse right neighbour (too many workers for the
    cores), the gap is bisected too: the peak may lie inside it.
 3. **``prefetch_factor``** at the knee, from ``PREFETCH``: 4 first; 8 only when 4 gained
-   more than the tolerance, else 1 (less memory when it costs nothing).
+   more than the tolerance; else 1, when memory is tight (a batch less per worker).
 4. **``worker_type``**, when several are allowed, at the chosen counts.
+5. **Confirmation**: a choice that trails the best measured setting by more than half the
+   tolerance is measured again, its windows added to its first trial's, and the choice made anew.
 
 The choice is always the cheapest measured setting (fewest workers, then least prefetch,
-then the first worker type listed) within ``tolerance`` of the best one measured.
+then the first worker type listed) within ``tolerance`` of the best one measured (its median
+less half its spread, up to half the tolerance: see ``_bar``).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Callable
 from .result import Setting, Trial
 
 NOT_INPUT_BOUND = 0.02  # stall fraction below which loading is not the bottleneck
+ZERO_MARGIN = 0.8  # num_workers=0 is measured when its estimate reaches this share of the best
 PREFETCH = (1, 2, 4, 8)
 DEFAULT_PREFETCH = 2
 
@@ -44,11 +51,14 @@ class Search:
         arguments need workers: ``persistent_workers``, ``multiprocessing_context``).
     fits: ``fits(setting)`` -> None, or why the setting cannot run (memory, say): it is then
         recorded as skipped, never measured.
+    tight: ``tight(setting)`` -> whether its memory is a concern (a large share of the budget):
+        only then is ``prefetch_factor=1`` tried, to save a batch per worker.
     """
 
     def __init__(
         self, *, max_workers: int, tolerance: float, worker_types=("process",), num_workers: int | None = None,
         prefetch_factor: int | None = None, min_workers: int = 0, fits: Callable[[Setting], str | None] | None = None,
+        tight: Callable[[Setting], bool] | None = None,
     ):  # fmt: skip
         self.tolerance = tolerance
         self.types = tuple(worker_types)
@@ -57,11 +67,13 @@ class Search:
         self.lo = num_workers if num_workers is not None else min_workers
         self.hi = num_workers if num_workers is not None else max(max_workers, min_workers)
         self.fits = fits or (lambda setting: None)
+        self.tight = tight or (lambda setting: False)
         self.trials: dict[Setting, Trial] = {}
         self.order: list[Trial] = []  # as reported
         self.input_bound = True
         self._phase = "check"
         self._small: Setting | None = None
+        self._confirmed: set[Setting] = set()  # measured a second time (see _confirm)
 
     # -- settings ---------------------------------------------------------------------------
 
@@ -85,15 +97,34 @@ class Search:
     def _measured(self) -> list[Trial]:
         return [t for t in self.order if not t.skipped and t.windows]
 
-    def _curve(self) -> dict[int, float]:
-        """Throughput by ``num_workers`` at the searched prefetch and first worker type."""
+    def _curve(self) -> dict[int, Trial]:
+        """Trials by ``num_workers`` at the searched prefetch and first worker type."""
         base = self._setting(1).prefetch_factor
-        return {t.setting.num_workers: t.median for t in self._measured()
+        return {t.setting.num_workers: t for t in self._measured()
                 if t.setting.worker_type == self.types[0] and t.setting.prefetch_factor in (base, None)}  # fmt: skip
+
+    def _bar(self, trials) -> float:
+        """The throughput a setting needs to count as equal to the best of ``trials``.
+
+        The best is taken at its median less half its windows' spread (at most half the
+        tolerance): the largest of several noisy medians is lucky more often than not, and a
+        cheaper setting should not lose to luck; but a workload whose windows always vary (a
+        heavy tail) must not make every setting look equal.
+        """
+        best = max(t.median * (1 - min(t.spread, self.tolerance) / 2) for t in trials)
+        return (1 - self.tolerance) * best
 
     # -- the protocol -----------------------------------------------------------------------
 
     def report(self, trial: Trial) -> None:
+        """Record a measured (or skipped) setting; a second trial of one adds its windows to the first's."""
+        known = self.trials.get(trial.setting)
+        if known is not None and known.windows and trial.windows:
+            n, m = len(known.windows), len(trial.windows)
+            known.stall_fraction = (known.stall_fraction * n + trial.stall_fraction * m) / (n + m)
+            known.windows.extend(trial.windows)
+            known.seconds += trial.seconds
+            return
         self.trials[trial.setting] = trial
         self.order.append(trial)
 
@@ -149,7 +180,25 @@ class Search:
         self._phase = "prefetch"
         return _NEXT_PHASE
 
+    def _zero_promising(self) -> bool:
+        """Whether loading in the loop (``num_workers=0``) might rival the best setting measured.
+
+        Estimated from the best trial: a batch would take the loop its step time, plus the
+        time a worker spent loading it.
+        """
+        measured = [t for t in self._measured() if t.load_s is not None and t.median > 0]
+        if not measured:
+            return False
+        best = max(measured, key=lambda t: t.median)
+        step_s = (1 - best.stall_fraction) / best.median
+        return 1 / (best.load_s + step_s) >= ZERO_MARGIN * best.median
+
     def _next_workers(self) -> Setting | None:
+        zero = self._setting(0)
+        if self.lo == 0 and zero not in self.trials and self._zero_promising():
+            proposal = self._new(zero)
+            if proposal is not None:
+                return proposal
         while self.hi > self.lo:  # the largest count that fits is the top of the range
             top = self._setting(self.hi)
             if top not in self.trials:
@@ -159,11 +208,12 @@ class Search:
             if not self.trials[top].skipped:
                 break
             self.hi -= 1
-        curve = self._curve()
-        if not curve:
+        trials = self._curve()
+        if not trials:
             return None
-        best = max(curve.values())
-        knee = min(nw for nw, t in curve.items() if t >= (1 - self.tolerance) * best)
+        curve = {nw: t.median for nw, t in trials.items()}
+        bar = self._bar(trials.values())
+        knee = min(nw for nw, t in curve.items() if t >= bar)
         below = max((nw for nw in curve if nw < knee), default=self.lo - 1)
         if knee - below > 1:
             proposal = self._new(self._setting((below + knee + 1) // 2))  # rounded up: knees sit high
@@ -187,8 +237,10 @@ class Search:
             order = []
             if base is not None:
                 order.append(4)
-                if 4 in t:
-                    order.append(8 if t[4] > (1 + self.tolerance) * base else 1)
+                if 4 in t and t[4] > (1 + self.tolerance) * base:
+                    order.append(8)
+                elif 4 in t and self.tight(self._setting(knee.num_workers, DEFAULT_PREFETCH, knee.worker_type)):
+                    order.append(1)  # less memory, when memory is what is short
             for pf in order:
                 if at[pf] is None:
                     proposal = self._new(self._setting(knee.num_workers, pf, knee.worker_type))
@@ -204,6 +256,23 @@ class Search:
                 proposal = self._new(Setting(wt, chosen.num_workers, chosen.prefetch_factor))
                 if proposal is not None:
                     return proposal
+        self._phase = "confirm"
+        return _NEXT_PHASE
+
+    def _confirm(self):
+        """A choice cheaper than the best measured is measured once more before it is taken.
+
+        Within tolerance of the best by one trial's median may be luck: on a busy machine a
+        setting's figure moves a few percent from one start to the next (where the scheduler
+        put its workers), more than between the windows of one trial.
+        """
+        chosen = self.choice()
+        best = max(self._measured(), key=lambda t: t.median, default=None)
+        if chosen is not None and best is not None and chosen not in self._confirmed:
+            margin = self.trials[chosen].median / best.median
+            if margin < 1 - self.tolerance / 2:  # in the band where one start's luck decides
+                self._confirmed.add(chosen)
+                return chosen
         self._phase = "done"
         return _NEXT_PHASE
 
@@ -221,8 +290,8 @@ class Search:
         measured = self._measured()
         if not measured:
             return None
-        best = max(t.median for t in measured)
-        good = [t.setting for t in measured if t.median >= (1 - self.tolerance) * best]
+        bar = self._bar(measured)
+        good = [t.setting for t in measured if t.median >= bar]
         return min(good, key=self._cost)
 
     def _cost(self, s: Setting) -> tuple:

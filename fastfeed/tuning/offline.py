@@ -15,6 +15,7 @@ from .search import Search
 
 SHM_SHARE = 0.8  # of the free space where batch segments live
 RAM_SHARE = 0.5  # of the available memory: the default memory budget
+TIGHT = 0.1  # batches in flight above this share of the budget make memory a concern
 
 
 def rank_cpus(base: dict | None = None) -> int:
@@ -90,6 +91,13 @@ class Budget:
         self.batch_bytes = max(self.batch_bytes, trial.batch_bytes)
         if trial.setting.worker_type == "process":
             self.worker_bytes = max(self.worker_bytes, trial.worker_bytes)
+
+    def tight(self, s: Setting) -> bool:
+        """Whether ``s``'s batches take a notable share (``TIGHT``) of the memory it may use."""
+        if s.num_workers == 0 or not self.batch_bytes:
+            return False
+        limit = min(x for x in (self.memory, self.shm, 1 << 62) if x is not None)
+        return s.num_workers * s.prefetch_factor * self.batch_bytes > TIGHT * limit
 
     def __call__(self, s: Setting) -> str | None:
         if s.num_workers == 0 or not self.batch_bytes:
@@ -173,7 +181,7 @@ def tune(dataset, *, step=None, budget_s: float = 60, max_workers: int | None = 
     budget = Budget(memory_budget)
     budget.batch_bytes = measure.probe_batch_bytes(DataLoader, dataset, loader_kwargs)
     search = Search(max_workers=max_workers, tolerance=tolerance, worker_types=types,
-                    min_workers=min_workers_for(loader_kwargs), fits=budget)  # fmt: skip
+                    min_workers=min_workers_for(loader_kwargs), fits=budget, tight=budget.tight)  # fmt: skip
     converged = True
     while (setting := search.propose()) is not None:
         try:
