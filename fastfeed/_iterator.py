@@ -14,6 +14,7 @@ import collections
 import functools
 import itertools
 import os
+import time
 import warnings
 import weakref
 
@@ -53,7 +54,7 @@ def _shutdown_all() -> None:
         it._shutdown_workers()
 
 
-class RingDataLoaderIter(stats.Measured, _BaseDataLoaderIter):
+class RingDataLoaderIter(_BaseDataLoaderIter):
     def __init__(self, loader, ring_for, resume: dict | None = None, stage=None, indices=None,
                  base_seed: int | None = None) -> None:  # fmt: skip
         """Args:
@@ -77,7 +78,8 @@ class RingDataLoaderIter(stats.Measured, _BaseDataLoaderIter):
         if base_seed is not None:  # the original's seed, and no draw the user would see
             _state.restore_sampler_rngs(keep, self._generator)
             self._base_seed = base_seed
-        self._stats = stats.recorder(self._num_workers, loader.prefetch_factor)
+        self._stats = stats.recorder(self._num_workers, loader.prefetch_factor)  # see fastfeed.stats
+        self._timed = True  # False under a device stage: the consumer asks the stage, which times
         self._prefetch_factor = loader.prefetch_factor
         self._in_order = getattr(loader, "in_order", True)  # torch < 2.6 has no in_order
         context = loader.multiprocessing_context or torch.multiprocessing
@@ -319,7 +321,15 @@ class RingDataLoaderIter(stats.Measured, _BaseDataLoaderIter):
         if self._shutdown:
             raise StopIteration
         try:
-            return self._next_batch()
+            rec = self._stats
+            if rec is None or not self._timed:
+                return self._next_batch()
+            received, blocked = self._ready_count(), self._pool.blocked
+            asked = time.perf_counter()
+            data = self._next_batch()
+            # Ready: the batches received and not yet yielded, or at least the one taken if it was waiting.
+            rec.add(asked, received or int(self._pool.blocked == blocked), time.perf_counter())
+            return data
         except StopIteration:
             self._finished = True
             raise
@@ -386,11 +396,8 @@ class RingDataLoaderIter(stats.Measured, _BaseDataLoaderIter):
         return got
 
     def _ready_count(self) -> int:
-        """Batches made and not yet yielded: received, or waiting in a pipe (one each, at least)."""
-        if self._shutdown:
-            return 0
-        received = sum(1 for task in self._task_info.values() if task.msg is not None)
-        return received + self._pool.waiting()
+        """Batches received from the workers and not yet yielded (tasks known, less those unanswered)."""
+        return len(self._task_info) - self._tasks_outstanding
 
     def _batch_ready(self) -> bool:
         """Whether the next batch is here already, so taking it cannot wait (device lookahead)."""

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 from torch.utils.data import _DatasetKind
 from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
 
 from . import _state, stats
 
 
-class SingleProcessIter(stats.Measured, _SingleProcessDataLoaderIter):
+class SingleProcessIter(_SingleProcessDataLoaderIter):
     """torch's single-process iterator, plus what ``DataLoader.state_dict()`` needs.
 
     Its "worker" is the main process: the RNG states are the global ones, saved by the
@@ -17,7 +19,8 @@ class SingleProcessIter(stats.Measured, _SingleProcessDataLoaderIter):
 
     def __init__(self, loader, resume: dict | None = None, indices=None, base_seed: int | None = None) -> None:
         """``indices``, ``base_seed``: as ``RingDataLoaderIter``'s (an online tuner's share of an epoch)."""
-        self._stats = stats.recorder(0, None)
+        self._stats = stats.recorder(0, None)  # see fastfeed.stats
+        self._timed = True  # False under a device stage, which times instead
         self._generator = loader.generator
         self._sampler_rng = None  # sampler RNGs just before this epoch's first index
         self._finished = False
@@ -54,7 +57,13 @@ class SingleProcessIter(stats.Measured, _SingleProcessDataLoaderIter):
 
     def _next_data(self):
         try:
-            return super()._next_data()
+            rec = self._stats
+            if rec is None or not self._timed:
+                return super()._next_data()
+            asked = time.perf_counter()
+            data = super()._next_data()
+            rec.add(asked, 0, time.perf_counter())
+            return data
         except StopIteration:
             self._finished = True
             raise

@@ -1,7 +1,7 @@
 """The measurement layer: what every fastfeed iterator records about each batch, and its summary.
 
-Always on (``FASTFEED_STATS=0`` turns it off) and cheap: two clock reads per batch in the
-consumer, two per batch in the worker, appended to flat arrays. The tuner and the doctor
+Always on (``FASTFEED_STATS=0`` turns it off) and cheap: two clock reads and a poll per batch
+in the consumer, a few clock reads per batch in the worker, appended to flat arrays. The tuner and the doctor
 read the raw records; ``DataLoader.stats()`` summarises them.
 
 Per batch, in the order the consumer received them (``step`` has one fewer: ``step[i]`` precedes
@@ -25,60 +25,59 @@ from dataclasses import asdict, dataclass
 
 from . import config
 
-MAX_RECORDS = 1 << 20  # per series: past this only the sums grow (8 MB per series at most)
+MAX_RECORDS = 1 << 18  # batches (and worker batches) kept in full (~20 MB); past this only totals grow
 
 
 class Recorder:
-    """The records of one iterator (one epoch): written by the loader, read by the tuner and doctor."""
+    """The records of one iterator (one epoch): written by the loader, read by the tuner and doctor.
 
-    __slots__ = ("num_workers", "prefetch_factor", "started", "wait", "step", "ready", "h2d", "fetch",
-                 "collate", "sum_wait", "sum_step", "batches", "busy", "first_ask", "last_return",
-                 "_returned", "_asked", "_ready")  # fmt: skip
+    Raw clock readings are kept (three list appends per batch: lists take the float objects
+    the clock returned, where an array would convert them, which costs the loop measurably);
+    waits, steps and sums are derived when read.
+    """
+
+    __slots__ = ("num_workers", "prefetch_factor", "started", "asks", "returns", "ready", "h2d", "fetch",
+                 "collate", "_extra", "add")  # fmt: skip
 
     def __init__(self, num_workers: int, prefetch_factor: int | None) -> None:
         self.num_workers = num_workers
         self.prefetch_factor = prefetch_factor
         self.started = time.perf_counter()
-        self.wait, self.step, self.ready, self.h2d = array("d"), array("d"), array("l"), array("d")
+        self.asks: list[float] = []
+        self.returns: list[float] = []
+        self.ready: list[int] = []
+        self.h2d = array("d")
         self.fetch = [array("d") for _ in range(num_workers)]
         self.collate = [array("d") for _ in range(num_workers)]
-        self.busy = [0.0] * num_workers  # each worker's fetch + collate seconds
-        self.sum_wait = self.sum_step = 0.0
-        self.batches = 0
-        self.first_ask = self.last_return = None
-        self._returned = None  # when the last batch was returned
-        self._asked = 0.0
-        self._ready = 0
+        self._extra = None  # past MAX_RECORDS: [batches, Σwait, Σstep, last return]
+        self.add = self._adder()
 
-    def asked(self, ready: int) -> None:
-        """The consumer asks for a batch; ``ready`` of them are made and waiting."""
-        self._asked = time.perf_counter()
-        self._ready = ready
+    def _adder(self):
+        """``add(asked, ready, returned)``: a batch asked for at ``asked`` (``ready`` were made and
+        waiting) was returned at ``returned``. A closure over bound appends: it runs for every batch."""
+        asks, ask, ret, rdy, overflow = self.asks, self.asks.append, self.returns.append, self.ready.append, self._more
 
-    def returned(self) -> None:
-        """The batch asked for is returned (a request that ends the epoch records nothing)."""
-        now = self.last_return = time.perf_counter()
-        room = self.batches < MAX_RECORDS
-        if self._returned is None:
-            self.first_ask = self._asked
-        else:
-            step = self._asked - self._returned
-            self.sum_step += step
-            if room:
-                self.step.append(step)
-        wait = now - self._asked
-        self.sum_wait += wait
-        self.batches += 1
-        self._returned = now
-        if room:
-            self.wait.append(wait)
-            self.ready.append(self._ready)
+        def add(asked: float, ready: int, returned: float) -> None:
+            if len(asks) < MAX_RECORDS:
+                ask(asked)
+                ret(returned)
+                rdy(ready)
+            else:
+                overflow(asked, returned)
+
+        return add
+
+    def _more(self, asked: float, returned: float) -> None:
+        extra = self._extra
+        if extra is None:
+            extra = self._extra = [0, 0.0, 0.0, self.returns[-1]]
+        extra[0] += 1
+        extra[1] += returned - asked
+        extra[2] += asked - extra[3]
+        extra[3] = returned
 
     def worker(self, worker_id: int, fetch_s: float, collate_s: float) -> None:
-        if worker_id >= self.num_workers:
-            return
-        self.busy[worker_id] += fetch_s + collate_s
-        if len(self.fetch[worker_id]) < MAX_RECORDS:
+        if worker_id < self.num_workers and len(self.fetch[worker_id]) < MAX_RECORDS:
             self.fetch[worker_id].append(fetch_s)
             self.collate[worker_id].append(collate_s)
 
@@ -86,10 +85,40 @@ class Recorder:
         if seconds is not None and len(self.h2d) < MAX_RECORDS:
             self.h2d.append(seconds)
 
+    @property
+    def batches(self) -> int:
+        return len(self.asks) + (self._extra[0] if self._extra else 0)
+
+    @property
+    def first_ask(self) -> float | None:
+        return self.asks[0] if self.asks else None
+
+    @property
+    def last_return(self) -> float | None:
+        if self._extra:
+            return self._extra[3]
+        return self.returns[-1] if self.returns else None
+
+    def waits(self) -> list[float]:
+        return [r - a for a, r in zip(self.asks, self.returns)]
+
+    def steps(self) -> list[float]:
+        """``steps()[i]``: from batch ``i``'s return to the request for batch ``i + 1``."""
+        return [a - r for a, r in zip(self.asks[1:], self.returns)]
+
     def window(self, start: int, stop: int) -> tuple[float, float]:
-        """Sums of ``wait`` and ``step`` over batches ``start..stop-1`` (for a tuner's window)."""
-        wait = sum(self.wait[start:stop])
-        step = sum(self.step[max(0, start - 1):max(0, stop - 1)])  # step i precedes batch i + 1
+        """Sums of the waits of batches ``start..stop-1`` and of the steps before them (for a tuner's window)."""
+        asks, returns = self.asks, self.returns
+        wait = sum(returns[start:stop]) - sum(asks[start:stop])
+        a = max(start, 1)
+        step = sum(asks[a:stop]) - sum(returns[a - 1:stop - 1]) if stop > a else 0.0
+        return wait, step
+
+    def totals(self) -> tuple[float, float]:
+        """Σwait and Σstep over every batch."""
+        wait, step = self.window(0, len(self.asks))
+        if self._extra:
+            wait, step = wait + self._extra[1], step + self._extra[2]
         return wait, step
 
     def summary(self) -> Stats:
@@ -114,7 +143,8 @@ class Stats:
         stall_fraction: Σwait / (Σwait + Σstep): the share of the consumer's time spent waiting for input.
         wait_p50_s, wait_p95_s, step_p50_s, step_p95_s: quantiles of the two.
         ready_mean: batches made and waiting when the consumer asked, on average.
-        worker_busy: each worker's fetch + collate time over the iterator's lifetime.
+        worker_busy: each worker's fetch + collate time over the iterator's lifetime (its first
+            ``MAX_RECORDS`` batches).
         fetch_mean_s, collate_mean_s: per batch, in the workers (None with ``num_workers=0``).
         h2d_p50_s: the host-to-device copy's median (None without a CUDA device stage).
     """
@@ -137,27 +167,31 @@ class Stats:
 
     @classmethod
     def of(cls, rec: Recorder | None) -> Stats:
-        if rec is None or rec.first_ask is None or rec.last_return is None:
+        if rec is None or rec.first_ask is None:
             nw, pf = (0, None) if rec is None else (rec.num_workers, rec.prefetch_factor)
             return cls(nw, pf, 0, 0.0, 0.0, 0.0, None, None, None, None, None, (0.0,) * nw, None, None, None)
+        batches = rec.batches
         elapsed = rec.last_return - rec.first_ask
         lifetime = max(rec.last_return - rec.started, 1e-9)
-        total = rec.sum_wait + rec.sum_step
+        sum_wait, sum_step = rec.totals()
+        total = sum_wait + sum_step
+        waits, steps = rec.waits(), rec.steps()
         fetch = [x for series in rec.fetch for x in series]
         collate = [x for series in rec.collate for x in series]
+        busy = [sum(f) + sum(c) for f, c in zip(rec.fetch, rec.collate)]
         return cls(
             num_workers=rec.num_workers,
             prefetch_factor=rec.prefetch_factor,
-            batches=rec.batches,
+            batches=batches,
             elapsed_s=elapsed,
-            batches_per_s=rec.batches / elapsed if elapsed > 0 else 0.0,
-            stall_fraction=rec.sum_wait / total if total > 0 else 0.0,
-            wait_p50_s=_quantile(rec.wait, 0.5),
-            wait_p95_s=_quantile(rec.wait, 0.95),
-            step_p50_s=_quantile(rec.step, 0.5),
-            step_p95_s=_quantile(rec.step, 0.95),
+            batches_per_s=batches / elapsed if elapsed > 0 else 0.0,
+            stall_fraction=sum_wait / total if total > 0 else 0.0,
+            wait_p50_s=_quantile(waits, 0.5),
+            wait_p95_s=_quantile(waits, 0.95),
+            step_p50_s=_quantile(steps, 0.5),
+            step_p95_s=_quantile(steps, 0.95),
             ready_mean=statistics.fmean(rec.ready) if rec.ready else None,
-            worker_busy=tuple(min(1.0, b / lifetime) for b in rec.busy),
+            worker_busy=tuple(min(1.0, b / lifetime) for b in busy),
             fetch_mean_s=statistics.fmean(fetch) if fetch else None,
             collate_mean_s=statistics.fmean(collate) if collate else None,
             h2d_p50_s=_quantile(rec.h2d, 0.5),
@@ -184,26 +218,3 @@ class Stats:
 def recorder(num_workers: int, prefetch_factor: int | None) -> Recorder | None:
     """A recorder for a new iterator, or None when ``FASTFEED_STATS=0``."""
     return Recorder(num_workers, prefetch_factor) if config.stats_enabled() else None
-
-
-class Measured:
-    """Mixed into the loader's iterators: times each ``__next__`` into ``self._stats``.
-
-    ``_timed`` is False when a device stage wraps the iterator: the consumer then asks the
-    stage, which does the timing (see ``transfer.DeviceIter``).
-    """
-
-    _stats: Recorder | None = None
-    _timed = True
-
-    def _ready_count(self) -> int:
-        return 0
-
-    def __next__(self):
-        rec = self._stats
-        if rec is None or not self._timed:
-            return super().__next__()
-        rec.asked(self._ready_count())
-        data = super().__next__()
-        rec.returned()
-        return data

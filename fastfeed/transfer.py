@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import time
 from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
@@ -182,9 +183,10 @@ class DeviceIter:
         if rec is None:
             return self._next()
         ready = getattr(self.source, "_ready_count", None)
-        rec.asked(len(self._issued) + (ready() if ready is not None else 0))
+        ready = len(self._issued) + (ready() if ready is not None else 0)
+        asked = time.perf_counter()
         out = self._next()
-        rec.returned()
+        rec.add(asked, ready, time.perf_counter())
         return out
 
     def _next(self):

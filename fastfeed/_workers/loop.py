@@ -76,7 +76,8 @@ class SlotWriter:
             hit = self.mapped[claimed.slot_id] = (claimed.name, torch.frombuffer(seg, dtype=torch.uint8))
         return hit[1]
 
-    def write(self, task: m.Task, batch, worker_id: int) -> m.Done:
+    def write(self, task: m.Task, batch, worker_id: int, fetch_s=0.0, collate_s=0.0, since=0.0, timed=False) -> m.Done:
+        """Write ``batch`` into a slot; ``timed``: its collate time runs on from ``since`` to the end of the write."""
         payload, objs, leaves, nbytes = layout.plan(batch)
         slot_id = made = None
         if nbytes:
@@ -100,7 +101,9 @@ class SlotWriter:
                 if slot_id is not None:
                     self.control.release(slot_id)
                 raise
-        return m.Done(task.idx, worker_id, nbytes, leaves, payload, slot_id, made)
+        if timed:
+            collate_s += time.perf_counter() - since
+        return m.Done(task.idx, worker_id, nbytes, leaves, payload, slot_id, made, fetch_s, collate_s)
 
 
 def node_of(spec: WorkerSpec) -> int | None:
@@ -315,10 +318,9 @@ def serve(worker_id, spec: WorkerSpec, dataset, writer: SlotWriter, get, put, re
                 t0 = clock()
                 batch = fetcher.fetch(task.index)
                 t1 = clock()
-                reply = writer.write(task, batch, worker_id)
+                # The write into the slot is the rest of collating.
+                reply = writer.write(task, batch, worker_id, t1 - t0 - collating[0], collating[0], t1, spec.timed)
                 del batch
-                if spec.timed:  # the write into the slot is the rest of collating
-                    reply = reply._replace(fetch_s=t1 - t0 - collating[0], collate_s=collating[0] + clock() - t1)
                 n_batches += 1
             except Exception as e:
                 if isinstance(e, StopIteration) and kind == _DatasetKind.Iterable:

@@ -112,7 +112,7 @@ class Pool:
         self.workers: list[Worker] = []
         self._any = select.poll()
         self._fd_owner: dict[int, Worker] = {}
-        self._result_fds: set[int] = set()
+        self.blocked = 0  # receives that found no answer waiting, and waited
         try:
             self.workers = [Worker(wid, context) for wid in range(num_workers)]
             args = [args_for(wid) for wid in range(num_workers)]  # all before first_started changes anything
@@ -121,7 +121,6 @@ class Pool:
                 for fd in (w.results.fileno(), w.process.sentinel):
                     self._any.register(fd, _READY)
                     self._fd_owner[fd] = w
-                self._result_fds.add(w.results.fileno())
                 if w.worker_id == 0 and first_started is not None:
                     first_started(self)
         except BaseException:
@@ -162,19 +161,18 @@ class Pool:
         """Whether worker ``wid`` has a message waiting (or has died): recv would not wait."""
         return bool(self.workers[wid].poller.poll(0))
 
-    def waiting(self) -> int:
-        """How many workers have a reply waiting (one poll; for the stats' ``ready`` count)."""
-        fds = self._result_fds
-        return sum(1 for fd, _ in self._any.poll(0) if fd in fds)
-
     def recv_any(self, timeout: float | None):
         """The next message from whichever worker answers first."""
         return self._wait(self._any, self._fd_owner.__getitem__, timeout)
 
     def _wait(self, poller, owner, timeout):
         clock = Clock(timeout, self.hang_dump_s, self.dump_stacks)
+        events = poller.poll(0)
+        if not events:  # the answer is not here yet: the consumer waits (fastfeed.stats' ``ready``)
+            self.blocked += 1
         while True:
-            events = poller.poll(clock.next_wait() * 1000)
+            if not events:
+                events = poller.poll(clock.next_wait() * 1000)
             for fd, _ in events:
                 w = owner(fd)
                 if fd == w.results.fileno():
@@ -182,6 +180,7 @@ class Pool:
             if events:  # only a sentinel fired: that process exited
                 raise self.death(owner(events[0][0]))
             clock.check()
+            events = None
 
     def dump_stacks(self, waited: float) -> None:
         """Have every worker print its Python stack to stderr (a hung loader, diagnosed)."""

@@ -88,6 +88,7 @@ class ThreadPool:
     def __init__(self, num_workers: int, target, args_for, hang_dump_s: float = 0):
         _patch_get_worker_info()
         self.hang_dump_s = hang_dump_s
+        self.blocked = 0  # receives that found no answer waiting, and waited
         self._stopped = False
         self.all_gone = False  # after stop(): no thread is left behind, busy in user code
         self._tasks = [queue.SimpleQueue() for _ in range(num_workers)]
@@ -132,10 +133,6 @@ class ThreadPool:
             pass
         return bool(self._held[wid])
 
-    def waiting(self) -> int:
-        """How many replies are waiting (for the stats' ``ready`` count)."""
-        return self._replies.qsize() + sum(len(h) for h in self._held)
-
     def recv_any(self, timeout: float | None):
         """The next message from whichever worker answers first."""
         return self._wait(None, timeout)
@@ -157,8 +154,14 @@ class ThreadPool:
 
     def _wait(self, want, timeout):
         clock = Clock(timeout, self.hang_dump_s, self.dump_stacks)
+        first = True
         while True:
             got = self._held_reply(want)
+            if got is None and first:
+                first = False
+                if self._pull(0):
+                    continue
+                self.blocked += 1  # the answer is not here yet: the consumer waits (fastfeed.stats' ``ready``)
             if got is None:
                 if not self._pull(clock.next_wait()):
                     clock.check()

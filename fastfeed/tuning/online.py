@@ -128,18 +128,14 @@ class OnlineTuner:
         return theirs
 
 
-class _Epoch:
-    def __next__(self):
-        return self._next_batch()
-
-
-class TuningIter(stats.Measured, _Epoch):
+class TuningIter:
     """One epoch of an ``"auto"`` loader while its tuner has not settled (see the module's doc)."""
 
     def __init__(self, loader, tuner: OnlineTuner):
         self._loader = loader
         self._tuner = tuner
         self._stats = stats.Recorder(0, None)  # the epoch's, across settings (trials read their windows here)
+        self._timed = True  # False under a device stage, which records into self._stats instead
         self._shared = iter(loader._index_sampler)
         self._base_seed = None  # drawn by the first iterator, reused by the others
         self._current = None
@@ -161,10 +157,20 @@ class TuningIter(stats.Measured, _Epoch):
     def __len__(self):
         return len(self._loader._index_sampler)
 
+    def __next__(self):
+        if not self._timed:
+            return self._next_batch()
+        ready = self._ready_count()
+        asked = time.perf_counter()
+        data = self._next_batch()
+        self._stats.add(asked, ready, time.perf_counter())
+        return data
+
     # -- what the loader and a device stage ask of an iterator --------------------------------
 
     def _ready_count(self) -> int:
-        return self._current._ready_count() if self._current is not None else 0
+        count = getattr(self._current, "_ready_count", None)  # none with num_workers=0
+        return count() if count is not None else 0
 
     def _batch_ready(self) -> bool:
         return self._current is not None and self._current._batch_ready()
