@@ -127,6 +127,34 @@ def test_overhead(tmp_path, bench_env):
     assert all(figs["throughput"]["unit"] == "batch/s" for figs in result["summary"].values())
 
 
+@pytest.mark.fastfeed_only
+def test_overhead_stats(tmp_path, bench_env):
+    """overhead.py --stats compares fastfeed with its measurement layer against FASTFEED_STATS=0."""
+    proc = subprocess.run([sys.executable, str(BENCH / "overhead.py"), "--quick", "--stats", "--num-workers", "1",
+                           "--out", str(tmp_path)], cwd=REPO, env=bench_env, capture_output=True, text=True,
+                          timeout=180)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "fastfeed/fastfeed-nostats throughput" in proc.stdout
+    (json_path,) = tmp_path.glob("overhead-stats-*.json")
+    result = json.loads(json_path.read_text())
+    assert result["params"]["baseline_class"].endswith("StatsOff")
+
+
+@pytest.mark.fastfeed_only
+def test_tune_benchmark(tmp_path, bench_env):
+    """tune.py --quick compares fastfeed.tune() with the grid on two workloads and checks each bar."""
+    proc = subprocess.run([sys.executable, str(BENCH / "tune.py"), "--quick", "--out", str(tmp_path)], cwd=REPO,
+                          env=bench_env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (json_path,) = tmp_path.glob("tune-*.json")
+    rows = json.loads(json_path.read_text())["rows"]
+    assert [r["workload"] for r in rows] == ["(b) latency", "(c) step"]
+    for row in rows:
+        assert {"throughput", "time", "knee", "agreement"} <= set(row["checks"])
+        assert len(row["grid"]) == 1 + 2 * 4  # nw 0, and nw 1..2 x prefetch 1, 2, 4, 8
+    assert "| workload |" in proc.stdout
+
+
 def test_startup(tmp_path, bench_env):
     """startup.py reports time to first batch of epochs 1 and 2+, and peak PSS, with their bars."""
     result = run_quick("startup", tmp_path, bench_env)
