@@ -19,7 +19,15 @@ time (bar <= 0.4), chosen nw against the grid's knee (bar <= knee + 1), agreemen
 
 Run: .venv/bin/python benchmarks/tune.py [--quick] [--workloads a b ...] [--max-workers N] [--out DIR]
 
-Measured: (filled in from the final run; see the README's "Tuning" section)
+Measured:
+  (2026-11-30, 2-core VM, torch 2.13 CPU, `.venv/bin/python benchmarks/tune.py`; every bar met)
+  | workload | grid best | grid knee | tuned (3 runs) | tuned / best | tune time / grid | reruns agree |
+  |---|---|---|---|---|---|---|
+  | (a) cpu | nw=3 pf=8 process | nw=2 | nw=2 pf=4 process; nw=2 pf=2 process | 0.99x | 0.28x (14.1 s / 50 s) | within 1.3% |
+  | (b) latency | nw=4 pf=4 process | nw=4 | nw=4 pf=2 process; nw=4 pf=4 process | 0.99x | 0.35x (15.1 s / 43 s) | within 1.3% |
+  | (c) step | nw=2 pf=2 process | nw=0 | nw=0 pf=- process | 0.99x | 0.15x (5.0 s / 34 s) | within 0.0% |
+  | (d) memory | nw=0 pf=- process | nw=0 | nw=0 pf=- process | 1.00x | 0.25x (12.8 s / 51 s) | within 0.0% |
+  | (e) tail | nw=4 pf=8 process | nw=4 | nw=4 pf=8 process | 1.00x | 0.30x (16.1 s / 54 s) | within 0.0% |
 """
 
 from __future__ import annotations
