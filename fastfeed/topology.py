@@ -281,6 +281,18 @@ def _read_node(path: str, node_id: int) -> Node:
     )
 
 
+def meminfo_bytes(field: str, path: str = "/proc/meminfo") -> int | None:
+    """A ``/proc/meminfo`` field (``"MemTotal"``, ``"MemAvailable"``) in bytes, or None when unreadable."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _mem_total_kb(meminfo: str) -> int | None:
     match = re.search(r"MemTotal:\s*(\d+)\s*kB", meminfo)
     return int(match.group(1)) if match else None

@@ -62,7 +62,7 @@ def fingerprint(dataset, *, batch_size, collate_fn, worker_type, space, cpus: It
         "space": space,
         "hostname": socket.gethostname(),
         "cpus": topology.format_cpus(cpus),
-        "mem_total": _mem_total(),
+        "mem_total": topology.meminfo_bytes("MemTotal"),
         "fastfeed": __version__,
     }
 
@@ -200,15 +200,3 @@ def _collate_name(fn) -> str | None:
     while isinstance(fn, functools.partial):
         fn = fn.func
     return _qualname(fn if hasattr(fn, "__qualname__") else type(fn))
-
-
-def _mem_total() -> int | None:
-    """The host's RAM in bytes, from /proc/meminfo."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None

@@ -50,17 +50,6 @@ def _cgroup_quota_cpus(path: str = "/sys/fs/cgroup/cpu.max") -> int | None:
         return None
 
 
-def available_ram() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def free_shm() -> int | None:
     try:
         st = os.statvfs(config.shm_dir())
@@ -80,7 +69,7 @@ class Budget:
     def __init__(self, memory_budget: int | None):
         if memory_budget is not None and (isinstance(memory_budget, bool) or memory_budget <= 0):
             raise ValueError(f"memory_budget must be a number of bytes > 0, or None, got {memory_budget!r}")
-        ram = available_ram()
+        ram = topology.meminfo_bytes("MemAvailable")
         self.memory = memory_budget if memory_budget is not None else (int(ram * RAM_SHARE) if ram else None)
         shm = free_shm()
         self.shm = int(shm * SHM_SHARE) if shm else None
