@@ -121,9 +121,6 @@ class Recorder:
             wait, step = wait + self._extra[1], step + self._extra[2]
         return wait, step
 
-    def summary(self) -> Stats:
-        return Stats.of(self)
-
 
 def _quantile(values, q: float) -> float | None:
     if not values:

@@ -42,10 +42,8 @@ def tag_for(kind: str, dataset, loader_kwargs: dict) -> str:
 def same_on_all_ranks(result: TuneResult, tag: str) -> TuneResult:
     """Rank 0 publishes ``result``; every other rank waits for it and returns it instead of its own."""
     store = _store()
-    if store is None:
-        return result
-    if dist.get_rank() == 0:
-        store.set(tag, json.dumps(result.as_dict()))
+    if store is None or dist.get_rank() == 0:
+        publish(result, tag)
         return result
     store.wait([tag])
     return TuneResult.from_dict(json.loads(store.get(tag)))
