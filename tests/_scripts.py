@@ -19,6 +19,10 @@ import _candidate, _datasets as ds, _leaks
 """
 
 
+def _default_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_script(body, **env_vars):
     """Run ``body`` (after imports of the test helpers) in a new Python, in its own session."""
     path = os.pathsep.join(filter(None, [TESTS_DIR, os.environ.get("PYTHONPATH")]))
@@ -31,6 +35,10 @@ def start_script(body, **env_vars):
         env=env,
         # Its own process group, so a group-wide SIGINT reaches it and its workers only.
         start_new_session=True,
+        # A suite started in the background of a non-interactive shell (`cmd &`) inherits
+        # SIGINT ignored, and Python then never raises KeyboardInterrupt: give the script
+        # the default disposition, as a terminal would.
+        preexec_fn=_default_sigint,
     )
 
 

@@ -141,6 +141,7 @@ def test_overhead_stats(tmp_path, bench_env):
 
 
 @pytest.mark.fastfeed_only
+@pytest.mark.hang_limit(300)
 def test_tune_benchmark(tmp_path, bench_env):
     """tune.py --quick compares fastfeed.tune() with the grid on two workloads and checks each bar."""
     proc = subprocess.run([sys.executable, str(BENCH / "tune.py"), "--quick", "--out", str(tmp_path)], cwd=REPO,
