@@ -384,7 +384,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
             if msg.nbytes:
                 got.memory = self._ring.receive(msg.slot_id, msg.made)
             if self._stats is not None:
-                self._stats.worker(msg.worker_id, msg.fetch_s, msg.collate_s)
+                self._stats.worker(msg.worker_id, msg.fetch_s, msg.collate_s, msg.done_at)
         if type(msg) is m.IterEnd:
             self._workers_status[msg.worker_id] = False
             self._last_task[msg.worker_id] = msg.idx

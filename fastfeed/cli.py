@@ -4,6 +4,7 @@ fastfeed cleanup [--dir DIR]   unlink segments left by fastfeed processes that w
 fastfeed info [--json]         the machine, this rank's placement plan, what is available
 fastfeed tune module:attr ...  measure loader settings for a dataset; print them, save the best (--out)
 fastfeed tune --show|--clear   list or empty the tuning cache
+fastfeed doctor SCRIPT [ARGS]  run a training script, say why the GPU idles, check the advice by measuring it
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 
 from . import config
 from ._ring import segments
+from .doctor import cli as doctor_cli
 from .tuning import cli as tune_cli
 
 
@@ -43,6 +45,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(run=_info)
     tune_cli.add_parser(sub)
+    doctor_cli.add_parser(sub)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -13,7 +13,9 @@ batch ``i + 1``):
 
 Per worker, in the order it made them: ``fetch`` (``__getitem__`` / the iterable) and
 ``collate`` (collate function and the write into the ring slot) seconds, measured in the
-worker. ``h2d``: seconds of each host-to-device copy, read from CUDA events once they completed.
+worker, and ``ends``: the worker's clock when it finished each (``perf_counter`` is CLOCK_MONOTONIC, one clock
+for every process, so the doctor can place worker batches on the consumer's timeline). ``h2d``: seconds of each
+host-to-device copy, read from CUDA events once they completed.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class Recorder:
     """
 
     __slots__ = ("num_workers", "prefetch_factor", "started", "asks", "returns", "ready", "h2d", "fetch",
-                 "collate", "_extra", "add")  # fmt: skip
+                 "collate", "ends", "_extra", "add")  # fmt: skip
 
     def __init__(self, num_workers: int, prefetch_factor: int | None) -> None:
         self.num_workers = num_workers
@@ -49,6 +51,7 @@ class Recorder:
         self.h2d = array("d")
         self.fetch = [array("d") for _ in range(num_workers)]
         self.collate = [array("d") for _ in range(num_workers)]
+        self.ends = [array("d") for _ in range(num_workers)]
         self._extra = None  # past MAX_RECORDS: [batches, Σwait, Σstep, last return]
         self.add = self._adder()
 
@@ -76,10 +79,11 @@ class Recorder:
         extra[2] += asked - extra[3]
         extra[3] = returned
 
-    def worker(self, worker_id: int, fetch_s: float, collate_s: float) -> None:
+    def worker(self, worker_id: int, fetch_s: float, collate_s: float, done_at: float = 0.0) -> None:
         if worker_id < self.num_workers and len(self.fetch[worker_id]) < MAX_RECORDS:
             self.fetch[worker_id].append(fetch_s)
             self.collate[worker_id].append(collate_s)
+            self.ends[worker_id].append(done_at)
 
     def copied(self, seconds: float | None) -> None:
         if seconds is not None and len(self.h2d) < MAX_RECORDS:

@@ -69,6 +69,16 @@ def _session_singletons():
     yield
 
 
+@pytest.fixture(scope="session")
+def fonts_open(tmp_path_factory):
+    """matplotlib keeps the fonts it drew with open, a cache for the process's life: open them before the
+    per-test leak check takes its first snapshot, so they do not read as leaked descriptors."""
+    from fastfeed.doctor import plot
+    from fastfeed.doctor.timeline import Timeline
+
+    plot.timeline_png(Timeline(start=0.0, end=1.0), tmp_path_factory.mktemp("fonts") / "warm.png", title="warm up")
+
+
 @pytest.fixture(autouse=True)
 def no_leaks(request):
     """Fail a test that leaves behind a child process, a file descriptor or a shm segment."""

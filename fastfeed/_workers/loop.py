@@ -101,9 +101,11 @@ class SlotWriter:
                 if slot_id is not None:
                     self.control.release(slot_id)
                 raise
+        done_at = 0.0
         if timed:
-            collate_s += time.perf_counter() - since
-        return m.Done(task.idx, worker_id, nbytes, leaves, payload, slot_id, made, fetch_s, collate_s)
+            done_at = time.perf_counter()
+            collate_s += done_at - since
+        return m.Done(task.idx, worker_id, nbytes, leaves, payload, slot_id, made, fetch_s, collate_s, done_at)
 
 
 def node_of(spec: WorkerSpec) -> int | None:

@@ -61,6 +61,7 @@ class Done(NamedTuple):
     made: str | None
     fetch_s: float = 0.0  # seconds in the dataset, measured in the worker (fastfeed.stats)
     collate_s: float = 0.0  # seconds collating and writing into the slot
+    done_at: float = 0.0  # the worker's perf_counter when the write ended (the doctor's timeline); 0: untimed
 
 
 class Failed(NamedTuple):

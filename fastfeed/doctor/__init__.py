@@ -1,0 +1,12 @@
+"""The doctor: measure why the GPU idles, name the bottleneck with numbers, and check its own advice.
+
+``fastfeed doctor SCRIPT`` runs a training script under a watch (see ``fastfeed.doctor.cli``);
+``with fastfeed.doctor.watch() as report:`` watches a loop in your own code (see ``fastfeed.doctor.watch``).
+"""
+
+from .hooks import StopWatch
+from .report import Report
+from .verdict import Verdict, diagnose
+from .watch import Watch, watch
+
+__all__ = ["Report", "StopWatch", "Verdict", "Watch", "diagnose", "watch"]

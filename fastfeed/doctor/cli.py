@@ -1,0 +1,105 @@
+"""``fastfeed doctor [--steps 300] [--out DIR] [--no-whatif] [--json] (SCRIPT | -m MODULE | --demo) [ARGS...]``
+
+(``--demo`` comes last: what follows it is the scenario's own arguments.)
+
+Runs the script (``python SCRIPT ARGS`` through ``runpy``, in this process) for ``--steps`` batches, then the
+what-if runs, then prints the verdict. Works on scripts that use torch's own DataLoader as well as fastfeed's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import script, whatif
+
+DEMO = "fastfeed.doctor.demo"
+
+
+def _say(msg: str) -> None:
+    print(f"fastfeed doctor: {msg}", file=sys.stderr, flush=True)
+
+
+def examine(target: str, argv: list[str], module: bool = False, steps: int = 300, whatifs: bool = True):
+    """The measured run, then (``whatifs``) the ceilings and the advised setting re-measured. Returns the report."""
+    _say(f"measuring {target} for up to {steps} batches")
+    report, watch, error = script.run(target, argv, module, steps=steps)
+    primary = report.timeline.primary()
+    if primary is None or primary.batches == 0:
+        watch.hooks.release()
+        why = f"it ended with {error!r}" if error else "no DataLoader was iterated"
+        raise script.ScriptFailed(f"the script gave the doctor no batches to measure: {why}") from error
+    if error is not None:
+        _say(f"the script stopped early ({error!r}); diagnosing the {primary.batches} batches recorded")
+    if not whatifs:
+        watch.hooks.release()
+        return report
+    loader = watch.hooks.loaders()[primary.id]
+    _say("what-if: the loader alone (input ceiling)")
+    report.whatif["input_ceiling"] = whatif.input_ceiling(loader, steps)
+    if primary.kind == "torch":
+        _say("what-if: fastfeed.DataLoader with the same arguments, alone")
+        twin = whatif.fastfeed_twin(loader)
+        report.whatif["input_ceiling_fastfeed"] = whatif.input_ceiling(twin, steps)
+        del twin
+    del loader
+    watch.hooks.release()
+    _say("what-if: the script fed one cached batch (compute ceiling)")
+    report.whatif["compute_ceiling"] = whatif.compute_ceiling(target, argv, module, steps)
+    advice = [a for a in report.verdict().advice if a["setting"]]
+    if not advice:
+        report.whatif["skipped"] = {"closing": "no setting to change"}
+        return report
+    best = advice[0]
+    _say(f"what-if: the script again with {best['change']} (closing the loop)")
+    run = whatif.rerun(target, argv, module, steps, best["setting"])
+    measured = report.verdict().evidence["samples_per_s"]
+    if run is None:
+        report.whatif["skipped"] = {"closing": f"the run with {best['change']} yielded no batches"}
+        return report
+    report.whatif["closing"] = {**run, "change": best["change"], "setting": best["setting"],
+                                "predicted_samples_per_s": best["predicted_samples_per_s"],
+                                "predicted_gain": best["predicted_gain"],
+                                "gain": run["samples_per_s"] / measured if measured else None}  # fmt: skip
+    return report
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("doctor", help="run a training script, measure why the GPU idles, and check the advice",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--steps", type=int, default=300, help="batches to measure (default 300)")
+    p.add_argument("--out", help="directory for report.json, report.txt, timeline.png, trace.json (Perfetto)")
+    p.add_argument("--no-whatif", dest="whatif", action="store_false", help="measure only; no what-if runs")
+    p.add_argument("--json", action="store_true", help="print the JSON report instead of the text")
+    p.add_argument("-m", dest="module", action="store_true", help="SCRIPT is a module name, as python -m")
+    p.add_argument("--demo", nargs=argparse.REMAINDER, metavar="ARGS",
+                   help=f"diagnose the built-in scenario ({DEMO}; ARGS are its own, e.g. --workers 2)")
+    p.add_argument("script", nargs="?", help="the training script (or module, with -m)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    p.set_defaults(run=main)
+
+
+def main(args) -> int:
+    if args.steps < 1:
+        print(f"fastfeed doctor: --steps must be a positive number of batches, got {args.steps}", file=sys.stderr)
+        return 2
+    if args.demo is not None:
+        target, module, argv = DEMO, True, args.demo
+    elif args.script:
+        target, module, argv = args.script, args.module, args.args
+    else:
+        print("fastfeed doctor: give a script to run (fastfeed doctor train.py ARGS), -m MODULE, or --demo",
+              file=sys.stderr)
+        return 2
+    try:
+        report = examine(target, argv, module, args.steps, args.whatif)
+    except (script.ScriptFailed, FileNotFoundError) as e:
+        print(f"fastfeed doctor: {e}", file=sys.stderr)
+        return 1
+    if args.out:
+        paths = report.save(args.out)
+        for kind, path in paths.items():
+            _say(f"{kind}: {path}")
+    print(json.dumps(report.to_dict(), indent=2, default=str) if args.json else report.summary())
+    return 0

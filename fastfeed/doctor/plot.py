@@ -1,0 +1,248 @@
+"""The doctor's one picture of a stall: a PNG with the loop, the GPU, the CPUs and the workers on one time axis.
+
+A verdict says *that* the GPU idles and why; this picture lets the user see it: the red waits line up with the
+GPU's dips, and the panels beneath show whether the CPUs, the disk or the workers were the ones behind.
+
+It is drawn with ``matplotlib.figure.Figure`` on the Agg canvas, never through ``pyplot``: the doctor runs inside
+the user's training script and must leave pyplot's global figures and backend as it found them. matplotlib is
+optional (``pip install 'fastfeed[plot]'``) and imported only when a picture is asked for.
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from pathlib import Path
+
+import numpy as np
+
+from .timeline import LoaderRecord, Timeline
+
+NEEDS_MATPLOTLIB = "the doctor's PNG timeline needs matplotlib: pip install 'fastfeed[plot]'"
+STALL = "tab:red"
+NO_DATA = "no data"
+LEGEND = {"loc": "upper left", "bbox_to_anchor": (1.005, 1), "fontsize": 8}  # right of the panel, off the data
+MAX_BATCHES_DRAWN = 2000  # more than this and each is under a pixel: draw means over time bins instead
+BINS = 600
+CLIP_RATIO = 20  # waits or steps this many times the 95th percentile go off the axis, not flatten the rest
+
+
+def timeline_png(timeline: Timeline, path, title: str | None = None) -> Path:
+    """Draw ``timeline`` into a PNG at ``path``: step and wait per batch, GPU, CPU, and worker busy panels.
+
+    ``title``: a line at the top, the doctor's verdict. Raises ImportError when matplotlib is missing.
+    """
+    figure_cls, canvas_cls = _matplotlib()
+    fig = figure_cls(figsize=(12, 10), dpi=100, layout="constrained")
+    canvas_cls(fig)
+    try:
+        axes = fig.subplots(4, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2, 2, 2]})
+        rec = timeline.primary()
+        _batches_panel(axes[0], timeline, rec)
+        _gpu_panel(axes[1], timeline)
+        _cpu_panel(axes[2], timeline)
+        _workers_panel(axes[3], timeline, rec)
+        _mark_epochs(axes, timeline, rec)
+        span = timeline.end - timeline.start
+        if span > 0:
+            axes[-1].set_xlim(0, span)
+        axes[-1].set_xlabel("seconds since the watch started")
+        fig.suptitle(textwrap.fill(title or "fastfeed doctor: timeline", 110), fontsize=11)
+        path = Path(path)
+        fig.savefig(path, format="png")
+    finally:
+        fig.clear()
+    return path
+
+
+def _matplotlib():
+    try:
+        # the package first: one blocked in sys.modules fails here even if its submodules were imported before
+        import matplotlib  # noqa: F401
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError(NEEDS_MATPLOTLIB) from e
+    return Figure, FigureCanvasAgg
+
+
+def _batches_panel(ax, timeline: Timeline, rec: LoaderRecord | None) -> None:
+    if rec is None or not rec.batches:
+        _no_data(ax, NO_DATA)
+        return
+    ax.set_title(f"loader {rec.id} ({rec.kind}, made at {rec.made_at}), num_workers={rec.num_workers}",
+                 fontsize=9, loc="left")  # fmt: skip
+    wait_x, wait, step_x, step = _per_batch(timeline, rec)
+    if len(wait) > MAX_BATCHES_DRAWN:
+        edges = np.linspace(0.0, timeline.end - timeline.start, BINS + 1)
+        x, per = (edges[:-1] + edges[1:]) / 2, f", mean per {edges[1]:.2g} s"
+        wait, step = _bin_mean(wait_x, wait, edges), _bin_mean(step_x, step, edges)
+        ax.fill_between(x, 0, wait, color=STALL, step="mid", label=f"wait (stall){per}")
+        ax.plot(x, step, color="tab:blue", lw=1, zorder=3, label=f"step{per}")
+    else:
+        ax.vlines(wait_x, 0, wait, color=STALL, lw=1.5, label="wait (stall)")
+        ax.plot(step_x, step, color="tab:blue", lw=1, zorder=3, label="step")
+    ax.set_ylabel("ms per batch")
+    _clip(ax, np.concatenate([wait, step]))
+    looped = sum(ep.returns[-1] - ep.asks[0] for ep in rec.epochs if ep.returns)
+    stalled = sum(sum(ep.waits()) for ep in rec.epochs)
+    ax.legend(**LEGEND, title=f"waits: {stalled / max(looped, 1e-9):.0%}\nof the loop", title_fontsize=8)
+
+
+def _per_batch(timeline: Timeline, rec: LoaderRecord) -> tuple[np.ndarray, ...]:
+    """Each batch's wait and step in ms at its return (seconds since the start); a NaN step ends each epoch's
+    line, so it does not run across the pause between epochs."""
+    wait_x, wait, step_x, step = [], [], [], []
+    for ep in rec.epochs:
+        returns = [r - timeline.start for r in ep.returns]
+        waits, steps = ep.waits(), ep.steps()
+        wait_x += returns[: len(waits)]
+        wait += [w * 1e3 for w in waits]
+        step_x += returns[: len(steps)]
+        step += [d * 1e3 for d in steps]
+        if returns:
+            step_x.append(returns[-1])
+            step.append(math.nan)
+    return tuple(np.asarray(a, float) for a in (wait_x, wait, step_x, step))
+
+
+def _bin_mean(x: np.ndarray, y: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """The mean of the ``y`` whose ``x`` falls in each bin between ``edges``; NaN in bins without any."""
+    keep = ~np.isnan(y)
+    bins = np.clip(np.searchsorted(edges, x[keep], side="right") - 1, 0, len(edges) - 2)
+    sums = np.bincount(bins, weights=y[keep], minlength=len(edges) - 1)
+    counts = np.bincount(bins, minlength=len(edges) - 1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(counts > 0, sums / counts, math.nan)
+
+
+def _clip(ax, values: np.ndarray) -> None:
+    """Keep a few huge values (the first batch's worker start) from flattening the rest: say them instead."""
+    values = values[~np.isnan(values)]
+    if not values.size:
+        return
+    far = values > CLIP_RATIO * max(float(np.percentile(values, 95)), 1e-3)
+    off = values[far]
+    if off.size:
+        ax.set_ylim(0, 1.1 * values[~far].max())
+        ax.text(0.01, 0.95, f"{off.size} off the axis, up to {off.max():.0f} ms", transform=ax.transAxes,
+                va="top", fontsize=8, color=STALL)  # fmt: skip
+    else:
+        ax.set_ylim(bottom=0)
+
+
+def _gpu_panel(ax, timeline: Timeline) -> None:
+    if not _plot_samples(ax, timeline, (("gpu_util", "GPU busy", "tab:green"),
+                                        ("gpu_mem_util", "GPU memory bandwidth", "tab:olive"))):  # fmt: skip
+        _no_data(ax, "no GPU utilisation (NVML unavailable)" if timeline.samples else NO_DATA)
+        return
+    ax.set_ylabel("GPU %")
+    ax.set_ylim(0, 105)
+
+
+def _cpu_panel(ax, timeline: Timeline) -> None:
+    if not _plot_samples(ax, timeline, (("cpu_busy", "CPU busy", "tab:purple"),
+                                        ("iowait", "iowait", "tab:brown"))):  # fmt: skip
+        _no_data(ax, NO_DATA)
+        return
+    ax.set_ylabel(f"CPU % ({timeline.cpus} CPUs)")
+    ax.set_ylim(0, 105)
+
+
+def _plot_samples(ax, timeline: Timeline, series) -> bool:
+    """Plot each ``(key, label, colour)`` present in the samples, in %, each value over its interval."""
+    drawn = False
+    for key, label, colour in series:
+        xs, ys = _sampled(timeline, lambda s, key=key: s.get(key))
+        if xs is not None:
+            ax.step(xs, ys * 100, where="pre", color=colour, lw=1, label=label)
+            drawn = True
+    if drawn:
+        ax.legend(**LEGEND)
+    return drawn
+
+
+def _sampled(timeline: Timeline, value):
+    """Sample times (since the start) and ``value(sample)`` as floats, NaN where missing; None if all are."""
+    ys = [value(s) for s in timeline.samples]
+    if all(y is None for y in ys):
+        return None, None
+    xs = np.asarray([s["t"] for s in timeline.samples], float) - timeline.start
+    return xs, np.asarray([math.nan if y is None else y for y in ys], float)
+
+
+def _workers_panel(ax, timeline: Timeline, rec: LoaderRecord | None) -> None:
+    if rec is not None and any(ep.workers for ep in rec.epochs):
+        _worker_busy(ax, timeline, rec)
+    elif rec is not None and any(ep.pids for ep in rec.epochs) and _worker_cpu(ax, timeline, rec):
+        ax.set_ylabel("worker CPU\n% of a core")
+    else:
+        _no_data(ax, NO_DATA if rec is None or rec.num_workers else "no workers (num_workers=0)")
+        return
+    ax.set_ylim(bottom=0)
+    ax.legend(**LEGEND)
+
+
+def _worker_busy(ax, timeline: Timeline, rec: LoaderRecord) -> None:
+    """Each worker's share of each time bin spent in fetch + collate, from its records across epochs."""
+    span = max(timeline.end - timeline.start, 1e-3)
+    width = _bin_width(span)
+    edges = np.arange(0.0, span + width, width)
+    mids = (edges[:-1] + edges[1:]) / 2
+    count = max(len(ep.workers) for ep in rec.epochs)
+    busy = np.array([_busy_fraction(_intervals(timeline, rec, w), edges) for w in range(count)])
+    for w, row in enumerate(busy):
+        ax.plot(mids, row * 100, lw=0.8, alpha=0.6, label=f"worker {w}" if count <= 8 else None)
+    ax.plot(mids, busy.mean(axis=0) * 100, color="black", lw=1.5, label=f"mean of {count}")
+    ax.set_ylabel(f"workers busy %\n(per {width:.2g} s)")
+    ax.set_ylim(top=105)
+
+
+def _bin_width(span: float) -> float:
+    """About 0.25 to 0.5 s; narrower for a short run, so it still gets some 40 bins, and wider for a long one,
+    so it gets no more than the batch panel's ``BINS``."""
+    return max(min(0.5, max(0.25, span / 400), span / 40), span / BINS)
+
+
+def _intervals(timeline: Timeline, rec: LoaderRecord, w: int) -> np.ndarray:
+    """Worker ``w``'s busy spells (start, length) in seconds since the start, sorted; unknown ends skipped."""
+    rows = [(end - c - f - timeline.start, f + c) for ep in rec.epochs if w < len(ep.workers)
+            for f, c, end in zip(ep.workers[w].fetch, ep.workers[w].collate, ep.workers[w].ends) if end]  # fmt: skip
+    return np.array(sorted(rows), float).reshape(-1, 2)
+
+
+def _busy_fraction(spells: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """The fraction of each bin between ``edges`` covered by ``spells``, one worker's non-overlapping runs."""
+    if not len(spells):
+        return np.zeros(len(edges) - 1)
+    starts, lengths = spells[:, 0], spells[:, 1]
+    done_before = np.concatenate([[0.0], np.cumsum(lengths)])
+    last = np.searchsorted(starts, edges, side="right") - 1  # the last spell begun by each edge
+    k = np.maximum(last, 0)
+    done = np.where(last >= 0, done_before[k] + np.clip(edges - starts[k], 0, lengths[k]), 0.0)
+    return np.clip(np.diff(done) / np.diff(edges), 0, 1)
+
+
+def _worker_cpu(ax, timeline: Timeline, rec: LoaderRecord) -> bool:
+    """torch's workers leave no records: plot the CPU each worker process used, from the samples."""
+    pids = list(dict.fromkeys(p for ep in rec.epochs for p in ep.pids))
+    drawn = 0
+    for pid in pids:
+        xs, ys = _sampled(timeline, lambda s, pid=pid: (s.get("proc_cpu") or {}).get(str(pid)))
+        if xs is not None:
+            label = f"worker CPU (pid {pid})" if len(pids) <= 8 else f"worker CPU ({len(pids)} pids)"
+            ax.step(xs, ys * 100, where="pre", lw=0.8, label=None if drawn and len(pids) > 8 else label)
+            drawn += 1
+    return drawn > 0
+
+
+def _mark_epochs(axes, timeline: Timeline, rec: LoaderRecord | None) -> None:
+    starts = [ep.asks[0] - timeline.start for ep in (rec.epochs if rec else []) if ep.asks]
+    for ax in axes:
+        for x in starts[1:]:
+            ax.axvline(x, color="grey", ls=":", lw=0.8)
+
+
+def _no_data(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", color="grey")
+    ax.set_yticks([])

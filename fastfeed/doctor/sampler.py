@@ -1,0 +1,416 @@
+"""The doctor's system sampler: what the machine did while the training loop ran.
+
+A GPU that idles is waiting on something: CPUs too busy to decode, a disk too slow to read, workers starved of
+cores, a main thread busy launching kernels, a PCIe link. The loader's own records say *that* the loop waited;
+these samples say *on what*. A daemon thread reads cheap counters (/proc, NVML) about every ``interval`` seconds
+(0.1 s by default) and appends one dict per interval to ``Sampler.samples``. It competes with the loop for the
+GIL, so a reading is kept to tens of microseconds: the files stay open and are re-read from offset 0, and the
+parsing is plain string splitting.
+
+Each sample describes the interval that ended at ``t``; the first reading only sets baselines and is not kept,
+so every sample has real deltas. Figures that cannot be read here are None. Fields:
+
+- ``t``: ``time.perf_counter()`` when read. ``dt``: seconds since the previous reading.
+- ``cpu_busy``: 0..1, the share of this process's allowed CPUs (``os.sched_getaffinity(0)`` at start) that was
+  busy, by any process (user + nice + system + irq + softirq + steal, over that plus idle + iowait; /proc/stat).
+- ``iowait``: 0..1, the share of those CPUs' time spent idle in iowait.
+- ``psi_cpu``, ``psi_io``: 0..1, the share of the interval during which some task on the machine was stalled
+  waiting for a CPU or for I/O (the ``some`` line of /proc/pressure/cpu and /proc/pressure/io); None where the
+  kernel has no pressure stall information.
+- ``disk_read_mbps``: MB/s (1e6 bytes) read from whole disks (/proc/diskstats; the devices of /sys/block except
+  loop, ram, zram and stacked devices such as dm-* and md*, so no read is counted twice).
+- ``disk_read_ms``: mean milliseconds per read completed in the interval; None when there was none.
+- ``disk_reads``: reads completed in the interval.
+- ``main_cpu``: the fraction of one core the process's main thread used (the loop, and its kernel launches).
+- ``proc_cpu``: ``{str(pid): fraction of one core}`` for each watched process (the loader's workers) seen at
+  both ends of the interval; can exceed 1 for a multi-threaded process.
+- ``gpu_util``, ``gpu_mem_util``: 0..1, NVML's utilisation rates (time a kernel ran; time memory was read or
+  written) of the watched GPU. ``gpu_mem_used``: bytes of its memory in use.
+- ``pcie_rx_mbps``, ``pcie_tx_mbps``: MB/s over its PCIe link (NVML's KB/s ÷ 1000), rx into the GPU.
+  The GPU fields are None without NVML, and each one where this GPU does not report it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Collection, Iterable
+
+log = logging.getLogger("fastfeed")
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+SECTOR = 512  # /proc/diskstats counts 512-byte sectors whatever the device's own sector size
+_NOT_DISKS = ("loop", "ram", "zram")
+GPU_KEYS = ("gpu_util", "gpu_mem_util", "gpu_mem_used", "pcie_rx_mbps", "pcie_tx_mbps")
+SAMPLE_KEYS = ("t", "dt", "cpu_busy", "iowait", "psi_cpu", "psi_io", "disk_read_mbps", "disk_read_ms", "disk_reads",
+               "main_cpu", "proc_cpu", *GPU_KEYS)  # fmt: skip
+
+
+# -- parsers: pure functions of a /proc file's text -----------------------------------------------------------------
+
+
+def parse_stat(text: str, cpus: Collection[int] | None) -> tuple[int, int, int]:
+    """``(busy, iowait, total)`` clock ticks of the ``cpuN`` lines of /proc/stat for N in ``cpus``.
+
+    ``cpus`` None: all CPUs, read from the first, aggregate ``cpu`` line: one line to parse instead of one per
+    CPU, which matters on a machine with a hundred cores and a process allowed on all of them.
+    """
+    if cpus is None:
+        return _cpu_ticks(text[: text.index("\n")])
+    wanted = {f"cpu{n}" for n in cpus}
+    busy = iowait = total = 0
+    for line in text.splitlines():
+        if not line.startswith("cpu"):
+            break  # the cpu lines come first
+        if line[: line.index(" ")] in wanted:
+            b, w, t = _cpu_ticks(line)
+            busy, iowait, total = busy + b, iowait + w, total + t
+    return busy, iowait, total
+
+
+def _cpu_ticks(line: str) -> tuple[int, int, int]:
+    user, nice, system, idle, iowait, irq, softirq, steal = map(int, line.split(None, 9)[1:9])
+    busy = user + nice + system + irq + softirq + steal  # guest time is already counted in user
+    return busy, iowait, busy + idle + iowait
+
+
+def stat_cpus(text: str) -> set[int]:
+    """The N of the ``cpuN`` lines of /proc/stat: the CPUs online."""
+    return {int(line[3 : line.index(" ")]) for line in text.splitlines() if line.startswith("cpu") and line[3] != " "}
+
+
+def parse_pressure(text: str) -> int | None:
+    """Microseconds some task has been stalled, from the ``some ... total=N`` line of /proc/pressure/*."""
+    for line in text.splitlines():
+        if line.startswith("some "):
+            _, sep, rest = line.partition(" total=")
+            return int(rest.split(None, 1)[0]) if sep else None
+    return None
+
+
+def parse_diskstats(text: str, disks: Iterable[str]) -> tuple[int, int, int]:
+    """``(reads completed, sectors read, ms spent reading)`` of the ``disks`` in /proc/diskstats, summed."""
+    disks = set(disks)
+    reads = sectors = ms = 0
+    for line in text.splitlines():
+        parts = line.split(None, 7)
+        if len(parts) > 6 and parts[2] in disks:
+            reads, sectors, ms = reads + int(parts[3]), sectors + int(parts[5]), ms + int(parts[6])
+    return reads, sectors, ms
+
+
+def parse_ticks(text: str) -> int:
+    """utime + stime (clock ticks) of a /proc/<pid>/stat or /proc/<pid>/task/<tid>/stat line."""
+    # The command name (field 2) may hold spaces and ')': the fixed fields resume after the last ')'.
+    fields = text[text.rindex(")") + 1 :].split(None, 13)
+    return int(fields[11]) + int(fields[12])
+
+
+def whole_disks(root: str = "/sys/block") -> frozenset[str]:
+    """The block devices whose reads are real disk reads: not loop, ram or zram, not stacked on other devices."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return frozenset()
+    return frozenset(n for n in names if not n.startswith(_NOT_DISKS) and not _has_slaves(f"{root}/{n}/slaves"))
+
+
+def _has_slaves(path: str) -> bool:
+    try:
+        return bool(os.listdir(path))
+    except OSError:
+        return False
+
+
+# -- reading --------------------------------------------------------------------------------------------------------
+
+
+class _ProcFile:
+    """A /proc file kept open: ``seek(0)`` + ``read()`` each tick is cheaper than open + read + close."""
+
+    def __init__(self, path: str) -> None:
+        self._f = open(path, "rb", buffering=0)
+
+    def read(self) -> str | None:
+        """The file's text now, or None when it can no longer be read (its process has gone)."""
+        try:
+            self._f.seek(0)
+            return self._f.read().decode("latin-1")
+        except OSError:
+            return None
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _open(path: str) -> _ProcFile | None:
+    """The file opened and readable now, or None (absent, or e.g. PSI compiled in but switched off)."""
+    try:
+        f = _ProcFile(path)
+    except OSError:
+        return None
+    if f.read() is None:
+        f.close()
+        return None
+    return f
+
+
+@dataclass
+class Reading:
+    """The raw counters at one instant; ``delta`` turns two of them into a sample."""
+
+    t: float
+    cpu: tuple[int, int, int] | None  # busy, iowait, total ticks
+    psi_cpu: int | None
+    psi_io: int | None
+    disk: tuple[int, int, int] | None  # reads, sectors, read ms
+    main: int | None
+    procs: dict[int, int] = field(default_factory=dict)
+    gpu: dict = field(default_factory=dict)  # the GPU fields, read as they are (not cumulative)
+
+
+def delta(prev: Reading, cur: Reading) -> dict:
+    """The sample of the interval between two readings (see the module docstring for its fields)."""
+    dt = cur.t - prev.t
+    sample = dict.fromkeys(SAMPLE_KEYS)
+    sample.update(t=cur.t, dt=dt, psi_cpu=_share(prev.psi_cpu, cur.psi_cpu, dt),
+                  psi_io=_share(prev.psi_io, cur.psi_io, dt))  # fmt: skip
+    if prev.cpu is not None and cur.cpu is not None:
+        busy, wait, total = (c - p for c, p in zip(cur.cpu, prev.cpu))
+        if total > 0:  # an interval shorter than a clock tick has no CPU figures
+            sample.update(cpu_busy=busy / total, iowait=wait / total)
+    if prev.disk is not None and cur.disk is not None:
+        reads, sectors, ms = (c - p for c, p in zip(cur.disk, prev.disk))
+        if reads >= 0 and sectors >= 0:  # a disk that went away makes the sums go backwards
+            sample.update(disk_read_mbps=sectors * SECTOR / 1e6 / dt, disk_read_ms=ms / reads if reads else None,
+                          disk_reads=reads)  # fmt: skip
+    sample["main_cpu"] = _cores(prev.main, cur.main, dt)
+    sample["proc_cpu"] = {str(pid): _cores(prev.procs[pid], ticks, dt)
+                          for pid, ticks in cur.procs.items() if pid in prev.procs}  # fmt: skip
+    sample.update(cur.gpu)
+    return sample
+
+
+def _share(prev_us: int | None, cur_us: int | None, dt: float) -> float | None:
+    if prev_us is None or cur_us is None:
+        return None
+    return min(1.0, max(0.0, (cur_us - prev_us) / 1e6 / dt))
+
+
+def _cores(prev_ticks: int | None, cur_ticks: int | None, dt: float) -> float | None:
+    if prev_ticks is None or cur_ticks is None:
+        return None
+    return (cur_ticks - prev_ticks) / CLK_TCK / dt
+
+
+_NO_GPU = dict.fromkeys(GPU_KEYS)
+
+
+class Probe:
+    """The open files and the NVML handle one sampler reads; ``read()`` takes one reading of them all.
+
+    Args:
+        pids: returns the processes to watch now; called at each reading.
+        gpu_index: the NVML index of the GPU to watch; None: the one this process uses (see ``gpu_index``).
+    """
+
+    def __init__(self, pids: Callable[[], Iterable[int]] = lambda: (), gpu_index: int | None = None) -> None:
+        self._pids = pids
+        self._stat = _ProcFile("/proc/stat")
+        allowed = os.sched_getaffinity(0)
+        # None: allowed on every CPU, so the aggregate line will do (see parse_stat)
+        self.cpus = None if stat_cpus(self._stat.read() or "") <= allowed else sorted(allowed)
+        self.disks = whole_disks()
+        self._psi_cpu = _open("/proc/pressure/cpu")
+        self._psi_io = _open("/proc/pressure/io")
+        self._diskstats = _open("/proc/diskstats") if self.disks else None
+        self._main = _open(f"/proc/self/task/{threading.main_thread().native_id}/stat")
+        self._procs: dict[int, _ProcFile] = {}
+        self._nvml, self._handle, self.gpu = _nvml_open(gpu_index)
+
+    def read(self) -> Reading:
+        """The counters now."""
+        t = time.perf_counter()
+        reading = Reading(t, _parsed(self._stat, lambda text: parse_stat(text, self.cpus)),
+                          _parsed(self._psi_cpu, parse_pressure), _parsed(self._psi_io, parse_pressure),
+                          _parsed(self._diskstats, lambda text: parse_diskstats(text, self.disks)),
+                          _parsed(self._main, parse_ticks), self._read_procs())  # fmt: skip
+        reading.gpu = self._read_gpu()  # last: NVML's PCIe counters sample for ~20 ms (with the GIL released)
+        return reading
+
+    def _read_procs(self) -> dict[int, int]:
+        wanted = set(self._pids())
+        for pid in set(self._procs) - wanted:
+            self._procs.pop(pid).close()
+        ticks = {}
+        for pid in wanted:
+            f = self._procs.get(pid)
+            if f is None:
+                try:
+                    f = self._procs[pid] = _ProcFile(f"/proc/{pid}/stat")
+                except OSError:
+                    continue  # gone already
+            text = f.read()
+            if text is None:
+                self._procs.pop(pid).close()
+            else:
+                ticks[pid] = parse_ticks(text)
+        return ticks
+
+    def _read_gpu(self) -> dict:
+        if self._nvml is None:
+            return _NO_GPU
+        nvml, handle = self._nvml, self._handle
+        rates = _nvml_call(nvml, "nvmlDeviceGetUtilizationRates", handle)
+        memory = _nvml_call(nvml, "nvmlDeviceGetMemoryInfo", handle)
+        rx = _nvml_call(nvml, "nvmlDeviceGetPcieThroughput", handle, nvml.NVML_PCIE_UTIL_RX_BYTES)
+        tx = _nvml_call(nvml, "nvmlDeviceGetPcieThroughput", handle, nvml.NVML_PCIE_UTIL_TX_BYTES)
+        return {"gpu_util": None if rates is None else rates.gpu / 100,
+                "gpu_mem_util": None if rates is None else rates.memory / 100,
+                "gpu_mem_used": None if memory is None else int(memory.used),
+                "pcie_rx_mbps": None if rx is None else rx / 1e3, "pcie_tx_mbps": None if tx is None else tx / 1e3}
+
+    def close(self) -> None:
+        """Close the files and shut NVML down (if it was initialised)."""
+        for f in (self._stat, self._psi_cpu, self._psi_io, self._diskstats, self._main, *self._procs.values()):
+            if f is not None:
+                f.close()
+        self._procs.clear()
+        if self._nvml is not None:
+            _nvml_call(self._nvml, "nvmlShutdown")
+            self._nvml = self._handle = None
+
+
+def _parsed(f: _ProcFile | None, parse: Callable[[str], object]):
+    text = f.read() if f is not None else None
+    return None if text is None else parse(text)
+
+
+# -- NVML -----------------------------------------------------------------------------------------------------------
+
+
+def gpu_index() -> int:
+    """The NVML index of the GPU this process uses: its current CUDA device, mapped through CUDA_VISIBLE_DEVICES.
+
+    CUDA not initialised yet (the usual case when a watch starts) means device 0, the one it will most likely
+    use. torch is only consulted if something imported it already, and CUDA is never initialised here.
+    """
+    torch = sys.modules.get("torch")
+    logical = torch.cuda.current_device() if torch is not None and torch.cuda.is_initialized() else 0
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    if logical < len(visible) and all(v.isdigit() for v in visible):
+        return int(visible[logical])
+    return logical  # no list, or UUIDs: take the logical index as NVML's
+
+
+def _nvml_open(index: int | None):
+    """``(pynvml, handle, {"index", "name"})`` of the GPU to watch, or ``(None, None, None)`` without NVML."""
+    try:
+        import pynvml
+    except ImportError:
+        return None, None, None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:  # no library, no driver, no device: no GPU figures
+        log.debug("fastfeed doctor: no GPU figures (%s)", e)
+        return None, None, None
+    try:
+        index = gpu_index() if index is None else index
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        name = pynvml.nvmlDeviceGetName(handle)
+    except pynvml.NVMLError as e:
+        log.debug("fastfeed doctor: no GPU figures (%s)", e)
+        _nvml_call(pynvml, "nvmlShutdown")
+        return None, None, None
+    return pynvml, handle, {"index": index, "name": name.decode() if isinstance(name, bytes) else str(name)}
+
+
+def _nvml_call(pynvml, name: str, *args):
+    """``pynvml.<name>(*args)``, or None where NVML says no (NotSupported on this GPU, GPU lost, ...)."""
+    try:
+        return getattr(pynvml, name)(*args)
+    except pynvml.NVMLError:
+        return None
+
+
+# -- the thread -----------------------------------------------------------------------------------------------------
+
+
+class Sampler:
+    """Samples the system every ``interval`` seconds on a daemon thread into ``samples``.
+
+    Args:
+        interval: seconds between readings.
+        pids: returns the worker processes to watch now (called each tick).
+        gpu_index: NVML index of the GPU to watch; None: the one this process uses (``gpu_index()``).
+        on_tick: called on the thread with each sample once it is appended; an exception in it is logged once
+            on the ``fastfeed`` logger and sampling goes on.
+
+    ``gpu`` is ``{"index", "name"}`` of the GPU watched once started, None without NVML.
+    """
+
+    def __init__(self, interval: float = 0.1, pids: Callable[[], Iterable[int]] = lambda: (),
+                 gpu_index: int | None = None, on_tick: Callable[[dict], object] | None = None) -> None:  # fmt: skip
+        self.interval = interval
+        self.samples: list[dict] = []
+        self.gpu: dict | None = None
+        self._pids, self._gpu_index, self._on_tick = pids, gpu_index, on_tick
+        self._probe: Probe | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._tick_failed = False
+
+    def start(self) -> Sampler:
+        """Open the counters, take the baseline reading and start the thread."""
+        if self._thread is not None:
+            raise RuntimeError("this Sampler was started already")
+        self._probe = Probe(self._pids, self._gpu_index)
+        self.gpu = self._probe.gpu
+        try:
+            first = self._probe.read()
+        except BaseException:
+            self.stop()
+            raise
+        self._thread = threading.Thread(target=self._run, args=(first,), name="fastfeed-doctor-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the thread and close the counters; again is a no-op."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
+
+    def __enter__(self) -> Sampler:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _run(self, prev: Reading) -> None:
+        due = prev.t + self.interval
+        while not self._stopping.wait(max(0.0, due - time.perf_counter())):
+            cur = self._probe.read()
+            sample = delta(prev, cur)
+            self.samples.append(sample)
+            prev = cur
+            due += self.interval
+            if due <= cur.t:  # over a whole interval late (a GIL-hungry loop): skip ahead, no burst of short ticks
+                due = cur.t + self.interval
+            if self._on_tick is not None:
+                self._call_on_tick(sample)
+
+    def _call_on_tick(self, sample: dict) -> None:
+        try:
+            self._on_tick(sample)
+        except Exception:
+            if not self._tick_failed:
+                self._tick_failed = True
+                log.warning("fastfeed doctor: the sampler's on_tick failed; sampling goes on", exc_info=True)

@@ -1,0 +1,82 @@
+"""What-if runs: measure what the loop would do with free input, what the loader can do with no loop, and what
+the advised setting really does. DS-Analyzer's differential runs, plus the check of the doctor's own advice.
+
+Each run is bounded (``--steps`` batches and at most ``SECONDS``) and reports samples/s measured the same way as
+the recorded run: the training loader's batches over its Σ(wait + step).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+from torch.utils.data import _DatasetKind
+
+from ..loader import DataLoader as FastLoader
+from . import script
+from .evidence import gather
+from .timeline import Timeline
+
+SECONDS = 60.0
+
+
+def _rate(tl: Timeline) -> dict | None:
+    ev = gather(tl)
+    if ev.batches == 0:
+        return None
+    return {"samples_per_s": ev.samples_per_s, "batches_per_s": ev.batches_per_s, "batches": ev.batches,
+            "seconds": ev.loop_s, "stall_fraction": ev.stall_fraction}  # fmt: skip
+
+
+def compute_ceiling(target: str, argv: list[str], module: bool, steps: int) -> dict | None:
+    """The script again, every loader yielding one cached batch (on the GPU when the script uses one)."""
+    report, watch, _ = script.run(target, argv, module, steps=steps, seconds=SECONDS, cached=True)
+    watch.hooks.release()
+    return _rate(report.timeline)
+
+
+def rerun(target: str, argv: list[str], module: bool, steps: int, setting: dict) -> dict | None:
+    """The script again with ``setting`` forced on every loader it builds (``{"fastfeed": True}``: fastfeed's)."""
+    overrides = {k: v for k, v in setting.items() if k != "fastfeed"}
+    report, watch, _ = script.run(target, argv, module, steps=steps, seconds=SECONDS, overrides=overrides,
+                                  to_fastfeed=bool(setting.get("fastfeed")))  # fmt: skip
+    watch.hooks.release()
+    return _rate(report.timeline)
+
+
+def input_ceiling(loader, steps: int, seconds: float = SECONDS) -> dict | None:
+    """The loader alone: one epoch (up to ``steps`` batches, ``seconds``), nothing done with the batches."""
+    batches, t0 = 0, time.perf_counter()
+    it = iter(loader)
+    try:
+        for _ in it:
+            batches += 1
+            if batches >= steps or time.perf_counter() - t0 > seconds:
+                break
+    finally:
+        del it
+        gc.collect()
+    elapsed = time.perf_counter() - t0
+    if batches == 0:
+        return None
+    bs = loader.batch_size or 1
+    return {"samples_per_s": batches * bs / elapsed, "batches_per_s": batches / elapsed, "batches": batches,
+            "seconds": elapsed}  # fmt: skip
+
+
+def fastfeed_twin(loader) -> FastLoader:
+    """A ``fastfeed.DataLoader`` with the arguments of a torch loader: the same batches, from fastfeed's ring."""
+    kw = dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
+              timeout=loader.timeout, worker_init_fn=loader.worker_init_fn, generator=loader.generator,
+              multiprocessing_context=loader.multiprocessing_context, in_order=getattr(loader, "in_order", True))
+    if loader.num_workers:
+        kw.update(prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers)
+    if loader._dataset_kind == _DatasetKind.Iterable:  # its sampler is torch's own: not to be passed
+        kw.update(batch_size=loader.batch_size, drop_last=loader.drop_last)
+    elif loader.batch_size is not None:
+        kw.update(batch_size=loader.batch_size, drop_last=loader.drop_last, sampler=loader.sampler)
+    elif loader.batch_sampler is not None:
+        kw["batch_sampler"] = loader.batch_sampler
+    else:  # no automatic batching
+        kw.update(batch_size=None, sampler=loader.sampler)
+    return FastLoader(loader.dataset, **kw)  # fmt: skip

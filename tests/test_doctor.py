@@ -1,0 +1,231 @@
+"""The doctor end to end: scenario scripts with a known bottleneck, the watch() API, its hooks, alerts and outputs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch.utils.data import DataLoader as TorchLoader
+
+import fastfeed
+from fastfeed import doctor
+from fastfeed.doctor.demo import Decoded
+
+CPUS = len(os.sched_getaffinity(0))
+
+
+def run_doctor(*args, steps=120, whatif=True, timeout=240):
+    """``fastfeed doctor --json`` on the built-in scenario with ``args``; returns the JSON report."""
+    cmd = [sys.executable, "-m", "fastfeed", "doctor", "--json", "--steps", str(steps),
+           *([] if whatif else ["--no-whatif"]), "--demo", *args]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout[proc.stdout.index('{\n  "schema"'):])
+
+
+def verdict(report):
+    return report["verdict"]["bottleneck"], report["verdict"]["cause"]
+
+
+def test_too_few_workers_on_idle_cores_is_input_workers_and_the_advice_helps_when_rerun():
+    """One decoding worker with a core idle: input/workers; the advised num_workers, re-run, is measured faster."""
+    if CPUS < 2:
+        pytest.skip("needs a second core for the advice to help")
+    r = run_doctor()
+    assert verdict(r) == ("input", "workers"), r["verdict"]
+    assert r["severity"] if False else r["verdict"]["severity"] == "highly"
+    closing = r["whatif"]["closing"]
+    assert closing["setting"]["num_workers"] >= 2
+    assert closing["gain"] >= 1.3, closing
+    assert r["whatif"]["compute_ceiling"]["samples_per_s"] > r["steps"]["samples_per_s"] * 1.3
+    assert len(r["questions"]) == 6
+
+
+def test_every_core_busy_decoding_is_input_cpu():
+    """As many decoding workers as cores, and a short step: input/cpu, with no advice to add workers."""
+    r = run_doctor("--workers", str(CPUS), "--step-ms", "2", whatif=False)
+    assert verdict(r) == ("input", "cpu"), (r["verdict"], r["system"])
+    assert not any(a["setting"] and "num_workers" in a["setting"] for a in r["advice"])
+
+
+def test_reads_that_wait_are_input_io_and_more_workers_help_when_rerun():
+    """Samples that sleep in reads: input/io (workers blocked), advising more workers, which re-measure faster."""
+    r = run_doctor("--read-ms", "1", "--sample-ms", "0", "--step-ms", "4")
+    assert verdict(r) in (("input", "io"), ("input", "workers")), r["verdict"]
+    closing = r["whatif"]["closing"]
+    assert closing["setting"]["num_workers"] > 1
+    assert closing["gain"] >= 1.5, closing
+
+
+def test_a_slow_step_is_compute():
+    """A step slower than loading: compute-bound, and nothing to change in the loader."""
+    r = run_doctor("--step-ms", "30", "--sample-ms", "0.1", "--workers", "2", steps=60, whatif=False)
+    assert verdict(r) == ("compute", None), r["verdict"]
+    assert not any(a["setting"] for a in r["advice"])
+
+
+def test_a_script_on_torchs_own_loader_without_workers():
+    """torch's DataLoader with num_workers=0: measured as it is, with fastfeed's what-if beside it, and advice that
+    helps when re-measured."""
+    r = run_doctor("--torch", "--workers", "0")
+    assert r["loader"]["kind"] == "torch" and r["loader"]["num_workers"] == 0
+    assert r["verdict"]["bottleneck"] == "input", r["verdict"]
+    assert r["whatif"]["input_ceiling_fastfeed"]["samples_per_s"] > 0
+    if CPUS >= 2:
+        assert r["whatif"]["closing"]["gain"] >= 1.3, r["whatif"]["closing"]
+
+
+def test_the_text_report_opens_with_the_verdict_and_out_writes_every_file(tmp_path):
+    """The text's first line is the verdict; --out writes the JSON, text, timeline, trace and PNG."""
+    out = tmp_path / "report"
+    cmd = [sys.executable, "-m", "fastfeed", "doctor", "--steps", "40", "--no-whatif", "--out", str(out), "--demo"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0].startswith("verdict: ")
+    for name in ("report.json", "report.txt", "timeline.json", "trace.json", "timeline.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["no_such_script.py"], "no script at"),
+    (["-m", "json.tool", "--help"], "no batches to measure"),
+])  # fmt: skip
+def test_a_script_that_gives_no_batches_is_a_clear_error(args, message):
+    """A missing script, or one that never iterates a loader, exits 1 saying why."""
+    proc = subprocess.run([sys.executable, "-m", "fastfeed", "doctor", *args], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert proc.returncode == 1
+    assert message in proc.stderr
+
+
+def test_steps_must_be_positive():
+    """--steps 0 is refused with a message."""
+    proc = subprocess.run([sys.executable, "-m", "fastfeed", "doctor", "--steps", "0", "--demo"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and "--steps" in proc.stderr
+
+
+# -- the Python API -------------------------------------------------------------------------------
+
+
+def _dataset(n=256, sample_ms=0.2):
+    return Decoded(n, sample_ms, 0.0)
+
+
+def test_watch_ends_the_loop_after_steps_and_restores_the_loader_classes():
+    """watch(steps=N) ends the loop after N batches, swallows its StopWatch, and leaves no patch behind."""
+    before = (TorchLoader.__iter__, TorchLoader.__init__, fastfeed.DataLoader.__iter__, fastfeed.DataLoader.__init__)
+    loader = fastfeed.DataLoader(_dataset(), batch_size=8, num_workers=2)
+    done = 0
+    with doctor.watch(steps=10) as report:
+        for _ in range(3):
+            for _batch in loader:
+                done += 1
+    assert done == 10
+    assert (TorchLoader.__iter__, TorchLoader.__init__, fastfeed.DataLoader.__iter__,
+            fastfeed.DataLoader.__init__) == before  # fmt: skip
+    rec = report.timeline.primary()
+    assert rec.kind == "fastfeed" and rec.made_at == "before the watch"
+    assert 10 <= rec.batches <= 11
+    assert len(rec.epochs[0].workers) == 2 and all(w.ends[0] > 0 for w in rec.epochs[0].workers)
+    assert report.verdict().line.startswith("verdict: ")
+
+
+def test_watches_do_not_nest():
+    """A second watch inside the first is refused."""
+    with doctor.watch():
+        with pytest.raises(RuntimeError, match="already recording"):
+            with doctor.watch():
+                pass
+
+
+def test_a_torch_loader_is_recorded_with_its_workers_cpu():
+    """torch's own loader inside a watch: its batches, where it was made, and its worker processes' CPU."""
+    with doctor.watch(interval=0.05) as report:
+        loader = TorchLoader(_dataset(sample_ms=1.0), batch_size=8, num_workers=2)
+        for _batch in loader:
+            time.sleep(0.002)
+    rec = report.timeline.primary()
+    assert rec.kind == "torch" and rec.made_at.startswith("test_doctor.py:")
+    assert rec.batches == 32
+    assert len(rec.epochs[0].pids) == 2
+    cpu = [s["proc_cpu"].get(str(rec.epochs[0].pids[0])) for s in report.timeline.samples]
+    assert max(c for c in cpu if c is not None) > 0.3
+
+
+def test_overrides_build_fastfeed_loaders_with_the_setting_and_the_same_batches():
+    """The closing-the-loop hooks: torch's DataLoader, even through a name bound before, becomes fastfeed's with the
+    setting forced, and yields torch's batches."""
+    alias = TorchLoader
+    ds = torch.arange(40).float()
+    torch.manual_seed(0)
+    expected = [b.clone() for b in TorchLoader(ds, batch_size=4, shuffle=True)]
+    with doctor.watch(overrides={"num_workers": 2}, to_fastfeed=True):
+        torch.manual_seed(0)
+        loader = alias(ds, batch_size=4, shuffle=True)
+        got = [b.clone() for b in loader]
+    assert isinstance(loader, fastfeed.DataLoader) and loader.num_workers == 2
+    assert all(torch.equal(a, b) for a, b in zip(expected, got)) and len(got) == len(expected)
+    assert type(TorchLoader(ds)) is TorchLoader  # undone
+
+
+def test_cached_mode_yields_one_batch_an_epochs_worth_of_times():
+    """The compute ceiling's hooks: every epoch is the first batch again, len(loader) times, with no worker."""
+    loader = fastfeed.DataLoader(_dataset(64), batch_size=8, num_workers=1)
+    with doctor.watch(cached=True):
+        batches = [b for b in loader]
+    assert len(batches) == len(loader) == 8
+    assert all(b is batches[0] for b in batches)
+
+
+def test_the_alert_warns_with_the_verdict_when_the_loop_stalls_long_enough(caplog):
+    """alert_stall/alert_after_s: a loop stalled for longer than alert_after_s logs one warning carrying the verdict."""
+    loader = fastfeed.DataLoader(_dataset(2048, sample_ms=1.0), batch_size=8, num_workers=1)
+    with caplog.at_level(logging.WARNING, logger="fastfeed"):
+        with doctor.watch(seconds=2.0, interval=0.05, alert_stall=0.2, alert_after_s=0.5):
+            for _batch in loader:
+                time.sleep(0.001)
+    alerts = [r.getMessage() for r in caplog.records if "fastfeed doctor" in r.getMessage()]
+    assert len(alerts) == 1, alerts
+    assert "waiting for input" in alerts[0] and "verdict: " in alerts[0]
+
+
+def test_no_alert_when_the_loop_does_not_stall(caplog):
+    """A loop whose step is slower than loading logs no alert."""
+    loader = fastfeed.DataLoader(_dataset(2048, sample_ms=0.01), batch_size=4, num_workers=1)
+    with caplog.at_level(logging.WARNING, logger="fastfeed"):
+        with doctor.watch(seconds=1.5, interval=0.05, alert_stall=0.2, alert_after_s=0.5):
+            for _batch in loader:
+                time.sleep(0.01)
+    assert not [r for r in caplog.records if "fastfeed doctor" in r.getMessage()]
+
+
+def test_report_save_writes_every_output(tmp_path, fonts_open):
+    """report.save(dir) writes report.json (the schema), report.txt, timeline.json, trace.json and timeline.png."""
+    loader = fastfeed.DataLoader(_dataset(), batch_size=8, num_workers=1)
+    with doctor.watch() as report:
+        for _batch in loader:
+            pass
+    paths = report.save(tmp_path)
+    assert json.loads(paths["json"].read_text())["schema"] == "fastfeed.doctor/1"
+    assert paths["text"].read_text().startswith("verdict: ")
+    assert paths["png"].read_bytes()[:4] == b"\x89PNG"
+    assert json.loads(paths["trace"].read_text())["traceEvents"]
+
+
+def test_fastfeeds_stages_appear_in_torchs_profiler():
+    """The device stage's wait and copy show as record_function ranges, named as torch names its loader's."""
+    loader = fastfeed.DataLoader(torch.arange(64).float(), batch_size=8, num_workers=1, device="cpu")
+    with torch.profiler.profile() as prof:
+        for _batch in loader:
+            pass
+    names = {e.name for e in prof.events()}
+    assert "enumerate(DataLoader)#DeviceIter.__next__" in names
+    assert "fastfeed::h2d" in names
