@@ -1,9 +1,11 @@
-"""fastfeed's demo: the transport and overhead questions, as a short table of fastfeed/torch ratios.
+"""fastfeed's demo: the transport and overhead questions, as a short table of fastfeed/torch ratios, then the
+doctor's verdict on its built-in scenario (``fastfeed doctor --demo``: a loop starved by too few workers).
 
 Runs benchmarks/transport.py and benchmarks/overhead.py with their default settings (about a
 minute and a half on 2 cores against torch; less as fastfeed is faster), then prints one row
 per comparison. Throughput: higher is better; main-process CPU, peak PSS, time to first
-batch: lower is better. The full figures go to bench-results/demo-<timestamp>.json and .csv.
+batch: lower is better. The full figures go to bench-results/demo-<timestamp>.json and .csv, the doctor's
+report (text, JSON, PNG timeline, Perfetto trace) to bench-results/doctor-demo/.
 
 Run: .venv/bin/python benchmarks/demo.py [--quick] [--rounds N] [--epoch-batches 0 60] [--out DIR]
 
@@ -15,6 +17,11 @@ Measured (paste the table of a full run here):
 """
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import _runner
 import overhead
@@ -68,6 +75,12 @@ def main(argv=None) -> dict:
         comps += script.comparisons(**opts)
     result = _runner.run_script("demo", comps, args, quiet=True)
     print(table(result["summary"], (result["params"]["candidate"], "torch")))
+    print("\nThe doctor on its built-in scenario (fastfeed doctor --demo):", flush=True)
+    out = Path(args.out) / "doctor-demo"
+    doctor = [sys.executable, "-m", "fastfeed", "doctor", "--out", str(out), *(["--steps", "100"] if args.quick else []),
+              "--demo"]  # fmt: skip
+    subprocess.run(doctor, check=True, cwd=Path(__file__).resolve().parent.parent)
+    print(f"\nThe doctor's {json.loads((out / 'report.json').read_text())['verdict']['line']} (report in {out})")
     return result
 
 

@@ -3,8 +3,8 @@
 1. Overhead (bar: the watched loop runs at >= 0.98x the unwatched one). The same training loop over a
    fastfeed.DataLoader, with and without ``fastfeed.doctor.watch()`` (records, 10 Hz NVML and /proc sampling),
    interleaved in rounds, in one process. Two loops:
-     step     a CPU step (matmuls, ~4 ms) fed by 2 workers: the main thread is busy, so a sampler thread
-              competing for the GIL would show;
+     step     a CPU step (matmuls, ~1 ms) fed by 2 workers: the main thread is busy, so a sampler thread
+              competing for the GIL would show (4x --batches per run);
      input    the doctor's demo scenario (1 worker decoding, an 8 ms step the host sleeps through): input-bound.
 2. Speed (bar: < 180 s): ``fastfeed doctor --demo`` end to end, what-ifs included, as a user runs it.
 
@@ -47,15 +47,15 @@ def _sleep_step(batch, _w):
     time.sleep(0.008)
 
 
-LOOPS = {
-    "step": (dict(sample_ms=0.05, workers=2), _matmul_step),
-    "input": (dict(sample_ms=1.0, workers=1), _sleep_step),
+LOOPS = {  # options, step, batches per run relative to --batches (each run lasts a few seconds)
+    "step": (dict(sample_ms=0.05, workers=2), _matmul_step, 4),
+    "input": (dict(sample_ms=1.0, workers=1), _sleep_step, 1),
 }
 
 
 def run_loop(name: str, batches: int, watched: bool) -> float:
     """Batches/s of ``batches`` training steps (epochs of 64 batches, torch's defaults otherwise)."""
-    opts, step = LOOPS[name]
+    opts, step, _ = LOOPS[name]
     loader = fastfeed.DataLoader(Decoded(64 * 16, opts["sample_ms"], 0.0), batch_size=16, shuffle=True,
                                  num_workers=opts["workers"])  # fmt: skip
     w = torch.randn(512, 512) / 23
@@ -80,12 +80,13 @@ def run_loop(name: str, batches: int, watched: bool) -> float:
 def overhead(rounds: int, batches: int) -> dict:
     out = {}
     torch.set_num_threads(1)
-    for name in LOOPS:
-        run_loop(name, batches // 4, False)  # warm-up: page cache, imports, the ring
+    for name, (_, _, scale) in LOOPS.items():
+        n = batches * scale
+        run_loop(name, n // 4, False)  # warm-up: page cache, imports, the ring
         ratios = []
         for r in range(rounds):
             order = (False, True) if r % 2 == 0 else (True, False)
-            rate = {watched: run_loop(name, batches, watched) for watched in order}
+            rate = {watched: run_loop(name, n, watched) for watched in order}
             ratios.append(rate[True] / rate[False])
             print(f"  {name} round {r + 1}: watched/unwatched {ratios[-1]:.3f}", flush=True)
         med = statistics.median(ratios)

@@ -156,6 +156,18 @@ def test_tune_benchmark(tmp_path, bench_env):
     assert "| workload |" in proc.stdout
 
 
+@pytest.mark.fastfeed_only
+@pytest.mark.hang_limit(300)
+def test_doctor_benchmark(bench_env):
+    """doctor.py --quick measures the doctor's overhead on two loops and the demo's end-to-end time, with bars."""
+    proc = subprocess.run([sys.executable, str(BENCH / "doctor.py"), "--quick"], cwd=REPO, env=bench_env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for row in ("overhead, step loop", "overhead, input loop", "fastfeed doctor --demo, end to end"):
+        assert row in proc.stdout
+    assert "verdict: " in proc.stdout
+
+
 def test_startup(tmp_path, bench_env):
     """startup.py reports time to first batch of epochs 1 and 2+, and peak PSS, with their bars."""
     result = run_quick("startup", tmp_path, bench_env)
@@ -210,13 +222,17 @@ def test_prefetch(tmp_path, bench_env):
 
 
 def test_demo(tmp_path, bench_env):
-    """demo.py runs the transport and overhead questions and prints one table row per comparison."""
+    """demo.py runs the transport and overhead questions, prints one table row per comparison, and ends with the
+    doctor's verdict on its built-in scenario."""
     proc = subprocess.run([sys.executable, str(BENCH / "demo.py"), "--quick", "--out", str(tmp_path)],
-                          cwd=REPO, env=bench_env, capture_output=True, text=True, timeout=180)
+                          cwd=REPO, env=bench_env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(next(tmp_path.glob("demo-*.json")).read_text())
     assert len(result["summary"]) == 5
     assert all(key in proc.stdout for key in result["summary"])
+    report = json.loads((tmp_path / "doctor-demo" / "report.json").read_text())
+    assert report["verdict"]["line"] in proc.stdout.split("fastfeed doctor --demo")[-1]
+    assert (tmp_path / "doctor-demo" / "timeline.png").exists()
 
 
 def test_gpu_check_without_cuda_says_so():

@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 from fastfeed.doctor import plot, trace
 from fastfeed.doctor.timeline import EpochRecord, LoaderRecord, Timeline, WorkerRecord
 
-pytestmark = pytest.mark.usefixtures("fonts_open")  # see conftest
+pytestmark = [pytest.mark.fastfeed_only, pytest.mark.usefixtures("fonts_open")]  # fonts: see conftest
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 EPOCHS, BATCHES, WORKERS = 2, 40, 2

@@ -12,6 +12,8 @@ from fastfeed.doctor.timeline import Timeline
 
 from _timelines import make
 
+pytestmark = pytest.mark.fastfeed_only
+
 N = 200
 
 

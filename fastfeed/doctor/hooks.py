@@ -250,8 +250,8 @@ class Hooks:
         add, tick = rec.add, self.tick
 
         def add_and_tick(asked: float, ready: int, returned: float) -> None:
+            tick()  # past the watch's batches it raises, and the batch is neither recorded nor handed over
             add(asked, ready, returned)
-            tick()
 
         rec.add = add_and_tick
 
