@@ -6,7 +6,10 @@
   (d) data-stall fraction of a synthetic GPU step (a matmul loop of a set duration) fed by each
       loader (the jpeg workload when Pillow is installed, else transport);
   (e) checks: batches pinned without a copy, copies overlapping compute, no slot reused early
-      (a checksum of every batch, with a consumer stream slower than the loader).
+      (a checksum of every batch, with a consumer stream slower than the loader);
+  (f) the doctor on the GPU: NVML sampled (utilisation, PCIe), and its verdict on three loops of known kind:
+      the matmul step fed by a fast loader (compute), a tiny kernel plus .item() and a host pause every step
+      (host_sync), and hundreds of tiny kernels per step (launch).
 Bars (issue 4): (b) >= 0.9 x (a) and (b) >= 2 x (c).
 
 Run: .venv/bin/python benchmarks/gpu_check.py [--num-workers 8] [--batches 200] [--step-ms 20]
@@ -177,6 +180,41 @@ def check_no_early_reuse(nw: int, batches: int, device) -> str:
     return f"{'ok' if bad == 0 else 'FAIL'}: {batches - bad}/{batches} batches checksum-identical"
 
 
+def _doctor_verdict(loop, seconds: float = 6.0) -> tuple[str, dict]:
+    """The doctor's verdict on ``loop(batch)`` fed by a fast in-memory loader for about ``seconds``."""
+    from fastfeed import DataLoader, doctor
+
+    loader = DataLoader(torch.zeros(100_000, 8), batch_size=8, num_workers=2, persistent_workers=True)
+    with doctor.watch(seconds=seconds) as report:
+        while True:
+            for batch in loader:
+                loop(batch)
+    v = report.verdict()
+    return v.bottleneck, v.evidence["system"]
+
+
+def check_doctor(step: Step, device) -> list[tuple[str, str]]:
+    tiny = torch.zeros(16, device=device)
+
+    def host_sync(batch):
+        tiny.add_(1)
+        tiny.sum().item()  # waits for the device every step
+        time.sleep(0.005)  # the host idles: the GPU does almost nothing meanwhile
+
+    def launch(batch):
+        for _ in range(300):
+            tiny.add_(1)
+
+    rows = []
+    for name, loop in (("compute", step), ("host_sync", host_sync), ("launch", launch)):
+        got, system = _doctor_verdict(loop)
+        util = system.get("gpu_util")
+        rows.append((f"(f) doctor on a {name} loop", f"verdict {got} ({'ok' if got == name else 'MISS'}), GPU "
+                     f"{'n/a' if util is None else f'{util:.0%}'} busy, PCIe rx {system.get('pcie_rx_mbps')} MB/s, "
+                     f"host thread {system.get('main_cpu')}"))  # fmt: skip
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-workers", type=int, default=8)
@@ -221,6 +259,8 @@ def main(argv=None) -> int:
     line("(e) pinned without a copy", check_pinned(nw, 50))
     line("(e) copies overlap compute", check_overlap(step, nw, 50, device))
     line("(e) no slot reused early", check_no_early_reuse(nw, 100, device))
+    for label, text in check_doctor(step, device):
+        line(label, text)
     return 0
 
 

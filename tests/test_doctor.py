@@ -138,6 +138,27 @@ def test_a_script_by_path_with_its_arguments_and_its_collectives(tmp_path):
     assert distributed["question"] == "Does distributed sync dominate?" and distributed["value"] > 0
 
 
+def test_a_what_if_run_that_fails_is_reported_not_fatal(tmp_path):
+    """A script that refuses to run twice: the measured run is diagnosed and the what-if says why it has no figure."""
+    script = tmp_path / "once.py"
+    script.write_text(
+        "import os, sys, time, torch\n"
+        "from torch.utils.data import DataLoader\n"
+        "if os.path.exists(sys.argv[1]):\n"
+        "    raise RuntimeError('second run refused')\n"
+        "open(sys.argv[1], 'w').close()\n"
+        "for batch in DataLoader(torch.arange(400.0).reshape(-1, 1), batch_size=4):\n"
+        "    time.sleep(0.001)\n"
+    )
+    proc = subprocess.run([sys.executable, "-m", "fastfeed", "doctor", "--json", "--steps", "20", str(script),
+                           str(tmp_path / "ran")], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout[proc.stdout.index('{\n  "schema"'):])
+    assert r["steps"]["batches"] == 20
+    assert r["whatif"]["compute_ceiling"] is None
+    assert "second run refused" in r["whatif"]["skipped"]["compute_ceiling"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["no_such_script.py"], "no script at"),
     (["-m", "json.tool", "--help"], "no batches to measure"),

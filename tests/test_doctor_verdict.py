@@ -157,3 +157,16 @@ def test_the_report_is_json_with_the_documented_keys_and_the_timeline_round_trip
     assert set(d["verdict"]) >= {"bottleneck", "cause", "severity"}
     assert report.summary().splitlines()[0] == d["verdict"]["line"]
     assert d["verdict"]["line"].startswith("verdict: ")
+
+
+def test_placement_counts_workers_on_off_and_across_the_gpus_node():
+    """Workers allowed only on the GPU's node, only off it, or across nodes are counted apart; one node: None."""
+    from fastfeed.doctor.watch import placement
+    from fastfeed.topology import Gpu, Node, Topology
+
+    nodes = {0: Node(0, frozenset({0, 1}), None, ()), 1: Node(1, frozenset({2, 3}), None, ())}
+    topo = Topology(nodes, (Gpu("0000:3b:00.0", 1, frozenset({2, 3})),), frozenset(range(4)), {}, "sysfs")
+    got = placement(topo, 0, [frozenset({2, 3}), frozenset({0}), frozenset({0, 1, 2, 3})])
+    assert got == {"gpu_node": 1, "on_node": 1, "off_node": 1, "across_nodes": 1}
+    one = Topology({0: nodes[0]}, (Gpu("0000:3b:00.0", 0, frozenset({0, 1})),), frozenset({0, 1}), {}, "sysfs")
+    assert placement(one, 0, [frozenset({0})]) is None

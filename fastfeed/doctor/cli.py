@@ -46,17 +46,20 @@ def examine(target: str, argv: list[str], module: bool = False, steps: int = 300
     del loader
     watch.hooks.release()
     _say("what-if: the script fed one cached batch (compute ceiling)")
-    report.whatif["compute_ceiling"] = whatif.compute_ceiling(target, argv, module, steps)
+    skipped = report.whatif["skipped"] = {}
+    report.whatif["compute_ceiling"], why = whatif.compute_ceiling(target, argv, module, steps)
+    if why:
+        skipped["compute_ceiling"] = why
     advice = [a for a in report.verdict().advice if a["setting"]]
     if not advice:
-        report.whatif["skipped"] = {"closing": "no setting to change"}
+        skipped["closing"] = "no setting to change"
         return report
     best = advice[0]
     _say(f"what-if: the script again with {best['change']} (closing the loop)")
-    run = whatif.rerun(target, argv, module, steps, best["setting"])
+    run, why = whatif.rerun(target, argv, module, steps, best["setting"])
     measured = report.verdict().evidence["samples_per_s"]
     if run is None:
-        report.whatif["skipped"] = {"closing": f"the run with {best['change']} yielded no batches"}
+        skipped["closing"] = f"with {best['change']}: {why}"
         return report
     report.whatif["closing"] = {**run, "change": best["change"], "setting": best["setting"],
                                 "predicted_samples_per_s": best["predicted_samples_per_s"],

@@ -151,6 +151,7 @@ class Hooks:
         self.seen: dict[int, _Seen] = {}
         self.made_at: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.distributed_s = 0.0
+        self.affinity: dict[int, frozenset[int]] = {}  # each worker process's allowed CPUs, read while it lived
         self._batches: dict[int, object] = {}  # the compute ceiling's cached batch, per loader
         self._depth = threading.local()
         self._saved: list[tuple[object, str, object]] = []
@@ -311,6 +312,12 @@ class Hooks:
                     now = worker_pids(it)
                     epoch.pids.update(now)
                     out += now
+        for pid in out:
+            if pid not in self.affinity:
+                try:
+                    self.affinity[pid] = frozenset(os.sched_getaffinity(pid))
+                except OSError:  # already gone
+                    pass
         return out
 
     def records(self) -> list[LoaderRecord]:

@@ -21,6 +21,7 @@ import logging
 import os
 import time
 
+from .. import topology
 from .hooks import Hooks, StopWatch
 from .report import Report
 from .sampler import Sampler
@@ -58,6 +59,7 @@ class Watch:
         self._recent: collections.deque = collections.deque()  # (t, Σwait, Σloop) of each sample, for alerts
         self._seen_batches: dict[int, int] = {}
         self._alerted = False
+        self._topology = None
 
     def _tick(self) -> None:
         self.batches += 1
@@ -94,9 +96,20 @@ class Watch:
 
     def timeline(self) -> Timeline:
         """The records so far (or all of them, once the watch ended)."""
-        return Timeline(start=self.start, end=self.end or time.perf_counter(), loaders=self.hooks.records(),
+        loaders = self.hooks.records()
+        return Timeline(start=self.start, end=self.end or time.perf_counter(), loaders=loaders,
                         samples=list(self.sampler.samples), cpus=len(os.sched_getaffinity(0)),
-                        gpu=self.sampler.gpu, distributed_s=self.hooks.distributed_s)  # fmt: skip
+                        gpu=self.sampler.gpu, distributed_s=self.hooks.distributed_s,
+                        placement=self._placement())  # fmt: skip
+
+    def _placement(self) -> dict | None:
+        """Where the workers ran against the watched GPU's NUMA node; None without a GPU or with one node."""
+        gpu = self.sampler.gpu
+        if gpu is None:
+            return None
+        if self._topology is None:
+            self._topology = topology.discover()
+        return placement(self._topology, gpu["index"], self.hooks.affinity.values())
 
     # -- the live alert -----------------------------------------------------------------------
 
@@ -139,6 +152,27 @@ class Watch:
         what = f"{stall:.0%} of the loop waiting for input" if stalled else f"GPU utilisation {util:.0%}"
         log.warning("fastfeed doctor: %s over the last %.0f s. %s", what, self.alert_after_s,
                     diagnose(self.timeline()).line)
+
+
+def placement(topo: topology.Topology, gpu_index: int, affinities) -> dict | None:
+    """How many worker processes (``affinities``: each one's allowed CPUs) may run only on the GPU's node, only
+    off it (remote memory and a remote path to the GPU: the ``numa`` cause), or across nodes. ``gpu_index``:
+    NVML's, which is PCI bus order, as ``topo.gpus`` is."""
+    if len(topo.nodes) < 2 or not 0 <= gpu_index < len(topo.gpus):
+        return None
+    node = topo.gpus[gpu_index].numa_node
+    if node is None or node not in topo.nodes:
+        return None
+    local = topo.nodes[node].cpus
+    on = off = across = 0
+    for cpus in affinities:
+        if cpus <= local:
+            on += 1
+        elif cpus.isdisjoint(local):
+            off += 1
+        else:
+            across += 1
+    return {"gpu_node": node, "on_node": on, "off_node": off, "across_nodes": across}
 
 
 def watch(**kwargs) -> Watch:

@@ -28,20 +28,28 @@ def _rate(tl: Timeline) -> dict | None:
             "seconds": ev.loop_s, "stall_fraction": ev.stall_fraction}  # fmt: skip
 
 
-def compute_ceiling(target: str, argv: list[str], module: bool, steps: int) -> dict | None:
-    """The script again, every loader yielding one cached batch (on the GPU when the script uses one)."""
-    report, watch, _ = script.run(target, argv, module, steps=steps, seconds=SECONDS, cached=True)
+def _outcome(report, watch, error) -> tuple[dict | None, str | None]:
     watch.hooks.release()
-    return _rate(report.timeline)
+    rate = _rate(report.timeline)
+    if rate is None:
+        return None, f"the run yielded no batches ({'it ended' if error is None else repr(error)})"
+    return rate, None
 
 
-def rerun(target: str, argv: list[str], module: bool, steps: int, setting: dict) -> dict | None:
-    """The script again with ``setting`` forced on every loader it builds (``{"fastfeed": True}``: fastfeed's)."""
+def compute_ceiling(target: str, argv: list[str], module: bool, steps: int) -> tuple[dict | None, str | None]:
+    """The script again, every loader yielding one cached batch (on the GPU when the script uses one).
+
+    Returns its rate, or None and why there is none."""
+    return _outcome(*script.run(target, argv, module, steps=steps, seconds=SECONDS, cached=True))
+
+
+def rerun(target: str, argv: list[str], module: bool, steps: int, setting: dict) -> tuple[dict | None, str | None]:
+    """The script again with ``setting`` forced on every loader it builds (``{"fastfeed": True}``: fastfeed's).
+
+    Returns its rate, or None and why there is none."""
     overrides = {k: v for k, v in setting.items() if k != "fastfeed"}
-    report, watch, _ = script.run(target, argv, module, steps=steps, seconds=SECONDS, overrides=overrides,
-                                  to_fastfeed=bool(setting.get("fastfeed")))  # fmt: skip
-    watch.hooks.release()
-    return _rate(report.timeline)
+    return _outcome(*script.run(target, argv, module, steps=steps, seconds=SECONDS, overrides=overrides,
+                                to_fastfeed=bool(setting.get("fastfeed"))))  # fmt: skip
 
 
 def input_ceiling(loader, steps: int, seconds: float = SECONDS) -> dict | None:
