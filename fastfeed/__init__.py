@@ -2,7 +2,7 @@
 
 from torch.utils.data import get_worker_info
 
-from . import doctor, transforms
+from . import doctor, io, transforms
 from ._ring.ring import RingGrowthWarning
 from .loader import DataLoader
 from .stats import Stats
@@ -11,6 +11,6 @@ from .tuning import TuneResult, load_config, tune
 __version__ = "0.1.0"
 
 __all__ = [
-    "DataLoader", "RingGrowthWarning", "Stats", "TuneResult", "__version__", "doctor", "get_worker_info",
+    "DataLoader", "RingGrowthWarning", "Stats", "TuneResult", "__version__", "doctor", "get_worker_info", "io",
     "load_config", "transforms", "tune",
 ]  # fmt: skip

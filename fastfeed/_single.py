@@ -8,6 +8,9 @@ from torch.utils.data import _DatasetKind
 from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
 
 from . import _state, stats
+from ._workers import readahead
+
+_END = object()  # the sampler is exhausted
 
 
 class SingleProcessIter(_SingleProcessDataLoaderIter):
@@ -20,6 +23,8 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
     def __init__(self, loader, resume: dict | None = None, indices=None, base_seed: int | None = None) -> None:
         """``indices``, ``base_seed``: as ``RingDataLoaderIter``'s (an online tuner's share of an epoch)."""
         self._stats = stats.recorder(0, None)  # see fastfeed.stats
+        self._prefetch = readahead.prefetcher(loader.dataset, loader._dataset_kind == _DatasetKind.Map)
+        self._ahead = None  # the next batch's indices, already announced to the dataset's prefetch
         self._timed = True  # False under a device stage, which times instead
         self._generator = loader.generator
         self._sampler_rng = None  # sampler RNGs just before this epoch's first index
@@ -53,7 +58,24 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
     def _next_index(self):
         if self._sampler_rng is None:
             self._sampler_rng = _state.sampler_rngs(self._generator)
-        return next(self._sampler_iter)
+        if self._prefetch is None:
+            return next(self._sampler_iter)
+        # The read-ahead protocol: the dataset hears of this batch's samples and the next one's before they
+        # are read, so its reads run while the step does.
+        if self._ahead is None:
+            self._ahead = self._draw()
+        index, self._ahead = self._ahead, self._draw()
+        if index is _END:
+            raise StopIteration
+        return index
+
+    def _draw(self):
+        try:
+            index = next(self._sampler_iter)
+        except StopIteration:
+            return _END
+        self._prefetch(readahead.indices_of(index, self._auto_collation))
+        return index
 
     def _next_data(self):
         try:

@@ -28,6 +28,7 @@ from .. import _state, affinity
 from .._ring import layout, segments
 from .._ring.control import Control
 from . import messages as m
+from . import readahead
 from .pool import DUMP_SIGNAL
 
 PARENT_CHECK_S = 5.0  # how often an idle worker process checks that its parent lives
@@ -177,12 +178,15 @@ def _state_reply(worker_id, after_idx, snapshots, epoch_start) -> m.StateReply:
     raise RuntimeError(f"worker {worker_id} no longer holds its state after task {after_idx}")
 
 
-def _pipe_reader(task_conn, parent_pid: int) -> Callable[[], Any]:
-    """The next message from the main process, or None once it is gone."""
+def _pipe_reader(task_conn, parent_pid: int) -> Callable[..., Any]:
+    """The next message from the main process, or None once it is gone (``block=False``: ``NOTHING`` when
+    no message is waiting)."""
     poller = select.poll()
     poller.register(task_conn.fileno(), select.POLLIN)
 
-    def get():
+    def get(block: bool = True):
+        if not block and not poller.poll(0):
+            return readahead.NOTHING
         while not poller.poll(PARENT_CHECK_S * 1000):
             if os.getppid() != parent_pid:
                 return None  # orphaned: the main process died without telling us
@@ -259,6 +263,9 @@ def serve(worker_id, spec: WorkerSpec, dataset, writer: SlotWriter, get, put, re
         return _DatasetKind.create_fetcher(kind, dataset, spec.auto_collation, collate_fn, spec.drop_last)
 
     snapshot = _state.snapshot if track_state else lambda: None
+    prefetch = readahead.prefetcher(dataset, kind == _DatasetKind.Map)
+    if prefetch is not None:
+        get = readahead.Ahead(get, prefetch, spec.auto_collation)
     init_error = None
     try:
         if spec.init_fn is not None:

@@ -29,6 +29,7 @@ from torch.utils.data._utils import worker as torch_worker
 
 from .._ring import segments
 from . import messages as m
+from . import readahead
 from .. import affinity
 from .loop import SlotWriter, WorkerSpec, node_of, serve, yield_to_main
 from .pool import STATUS_CHECK_S, Clock, WorkerDied
@@ -115,8 +116,16 @@ class ThreadPool:
                 segments.unlink(msg.made)
             replies.put((wid, msg))
 
+        tasks = self._tasks[wid]
+
+        def get(block: bool = True):
+            try:
+                return tasks.get(block)
+            except queue.Empty:  # only when not blocking
+                return readahead.NOTHING
+
         try:
-            target(*args, self._tasks[wid].get, put)
+            target(*args, get, put)
         except BaseException as e:  # noqa: BLE001 (reported to the main thread, which raises)
             put(_Died(e))
 

@@ -1,0 +1,103 @@
+"""A local cache of source files that admits until full and never evicts.
+
+When the dataset is larger than the cache, an LRU cache (the page cache's policy) thrashes: every epoch reads
+everything again in the same order, so each entry is evicted just before it is needed. Keeping the first
+``limit`` bytes admitted and serving them from then on (CoorDL's MinIO policy) makes that share of every later
+epoch a local read.
+
+Each entry is one file, written to a temporary name and renamed into place, so readers never see half an entry
+and concurrent writers (workers, ranks) of the same source simply replace each other's identical copy. An entry
+starts with a header line naming its source, its size and the source's version (size and modification time, or
+ETag); an entry whose version no longer matches is refetched, and one whose body is not the size its header
+says is ignored. The bytes admitted are counted in a shared file under ``flock``, so all processes together stay
+within the limit.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+from pathlib import Path
+
+MAGIC = b"FFC1 "
+_USAGE = ".usage"
+
+
+class Cache:
+    """``directory`` on local disk or tmpfs (made 0700 if missing); ``limit``: bytes to admit, None: no limit."""
+
+    def __init__(self, directory, limit: int | None) -> None:
+        if limit is not None and limit < 0:
+            raise ValueError(f"cache_bytes must be >= 0 (bytes to admit), got {limit}")
+        self.directory = Path(directory)
+        self.limit = limit
+        self._full = False  # this process saw the limit reached: stop trying to admit
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_full": False}
+
+    def _path(self, source: str) -> Path:
+        return self.directory / hashlib.sha256(source.encode()).hexdigest()[:40]
+
+    def get(self, source: str, version) -> bytes | None:
+        """The cached bytes of ``source`` at ``version``, or None (absent, stale, or damaged)."""
+        try:
+            with open(self._path(source), "rb") as f:
+                header = f.readline()
+                body = f.read()
+        except FileNotFoundError:
+            return None
+        if not header.startswith(MAGIC):
+            return None
+        try:
+            meta = json.loads(header[len(MAGIC):])
+        except ValueError:
+            return None
+        if meta.get("source") != source or meta.get("version") != version or meta.get("bytes") != len(body):
+            return None
+        return body
+
+    def put(self, source: str, version, data: bytes) -> bool:
+        """Admit ``data`` if the limit allows; returns whether it was written."""
+        if self._full or not self._admit(len(data)):
+            return False
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = self._path(source)
+        header = MAGIC + json.dumps({"source": source, "version": version, "bytes": len(data)}).encode() + b"\n"
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(header)
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return True
+
+    def _admit(self, nbytes: int) -> bool:
+        if self.limit is None:
+            return True
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self.directory / _USAGE, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            used = int(os.pread(fd, 32, 0).strip() or 0)
+            if used + nbytes > self.limit:
+                self._full = True
+                return False
+            text = str(used + nbytes).encode().ljust(32)
+            os.pwrite(fd, text, 0)
+            return True
+        finally:
+            os.close(fd)  # releases the lock
+
+    def used(self) -> int:
+        """Bytes admitted so far (by every process)."""
+        try:
+            return int((self.directory / _USAGE).read_bytes().strip() or 0)
+        except FileNotFoundError:
+            return 0
