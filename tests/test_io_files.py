@@ -270,3 +270,21 @@ def test_concurrent_writers_of_one_cache_stay_correct_and_within_the_limit(files
     assert not leftovers
     again = Files(paths, cache_dir=cache_dir, cache_bytes=3000)
     assert all(again[i] == open(p, "rb").read() for i, p in enumerate(paths))
+
+
+def test_network_filesystems_are_told_from_local_disks(monkeypatch):
+    """mountinfo lines give each mount's type, matched by the longest mount point; NFS and FUSE are network."""
+    from fastfeed.io import mounts
+
+    text = ("22 1 8:1 / / rw - ext4 /dev/vda rw\n"
+            "40 22 0:50 / /mnt/data rw,relatime - nfs4 srv:/export rw\n"
+            "41 22 0:51 / /mnt/data\\040x rw - fuse.s3fs s3fs rw\n")  # fmt: skip
+    parsed = mounts.parse_mountinfo(text)
+    assert parsed[0] == ("/mnt/data x", "fuse.s3fs") and ("/", "ext4") in parsed
+    monkeypatch.setattr(mounts, "_mounts", lambda: parsed)
+    mounts._type_of_dir.cache_clear()
+    try:
+        assert mounts.is_network("/mnt/data/train/0.jpg") and mounts.is_network("/mnt/data x/0.jpg")
+        assert not mounts.is_network("/mnt/database/0.jpg") and not mounts.is_network("/home/me/0.jpg")
+    finally:
+        mounts._type_of_dir.cache_clear()

@@ -7,9 +7,11 @@ epoch a local read.
 
 Each entry is one file, written to a temporary name and renamed into place, so readers never see half an entry
 and concurrent writers (workers, ranks) of the same source simply replace each other's identical copy. An entry
-starts with a header line naming its source, its size and the source's version (size and modification time, or
-ETag); an entry whose version no longer matches is refetched, and one whose body is not the size its header
-says is ignored. The bytes admitted are counted in a shared file under ``flock``, so all processes together stay
+starts with a header line naming its source, its size, the source's version (size and modification time, or
+ETag) and when that version was last checked; an entry whose version no longer matches is refetched, and one
+whose body is not the size its header says is ignored. Checking a local source's version is a ``stat``, done on
+every read; checking a remote one is a request, as slow as the read it saves, so a remote entry is trusted for
+``max_age`` seconds after it was fetched or last checked (as an HTTP cache trusts ``max-age``). The bytes admitted are counted in a shared file under ``flock``, so all processes together stay
 within the limit.
 """
 
@@ -19,6 +21,7 @@ import fcntl
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 MAGIC = b"FFC1 "
@@ -41,8 +44,11 @@ class Cache:
     def _path(self, source: str) -> Path:
         return self.directory / hashlib.sha256(source.encode()).hexdigest()[:40]
 
-    def get(self, source: str, version) -> bytes | None:
-        """The cached bytes of ``source`` at ``version``, or None (absent, stale, or damaged)."""
+    def get(self, source: str, version=None, max_age: float = 0.0) -> bytes | None:
+        """The cached bytes of ``source`` at ``version``, or None (absent, stale, or damaged).
+
+        ``version`` None: the entry's own version is taken if it was checked less than ``max_age`` seconds ago.
+        """
         try:
             with open(self._path(source), "rb") as f:
                 header = f.readline()
@@ -55,17 +61,22 @@ class Cache:
             meta = json.loads(header[len(MAGIC):])
         except ValueError:
             return None
-        if meta.get("source") != source or meta.get("version") != version or meta.get("bytes") != len(body):
+        if meta.get("source") != source or meta.get("bytes") != len(body):
             return None
-        return body
+        if version is None:
+            fresh = time.time() - meta.get("checked", 0) < max_age
+            return body if fresh else None
+        return body if meta.get("version") == version else None
 
-    def put(self, source: str, version, data: bytes) -> bool:
-        """Admit ``data`` if the limit allows; returns whether it was written."""
-        if self._full or not self._admit(len(data)):
+    def put(self, source: str, version, data: bytes, admit: bool = True) -> bool:
+        """Admit ``data`` if the limit allows; returns whether it was written. ``admit=False``: rewrite an entry
+        already admitted (its version was just checked), which counts nothing."""
+        if admit and (self._full or not self._admit(len(data))):
             return False
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         path = self._path(source)
-        header = MAGIC + json.dumps({"source": source, "version": version, "bytes": len(data)}).encode() + b"\n"
+        meta = {"source": source, "version": version, "bytes": len(data), "checked": time.time()}
+        header = MAGIC + json.dumps(meta).encode() + b"\n"
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

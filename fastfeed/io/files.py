@@ -3,12 +3,16 @@
 torch's loader has only ``num_workers`` reads in flight: with 2 workers and 5 ms per request that is about 400
 files/s whatever the bandwidth. fastfeed's workers know the samples of the tasks they hold, and pass them to
 ``prefetch`` (the read-ahead protocol, see ``fastfeed.io``), so ``readahead`` reads per worker run in background
-threads while earlier batches decode; ``__getitem__`` then takes the bytes that are already there.
+threads while earlier batches decode; ``__getitem__`` then takes the bytes that are already there. On a local disk
+the kernel's own read-ahead is enough once asked (``posix_fadvise(WILLNEED)``), and reader threads would only add
+cost; on network filesystems (NFS, Lustre, FUSE...) and for remote URLs, reads run in flight.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import functools
 import glob as globbing
 import os
 import queue
@@ -19,6 +23,7 @@ from typing import Callable, Sequence
 
 from torch.utils.data import Dataset
 
+from . import mounts
 from .cache import Cache
 from .remote import Remote, is_url
 
@@ -36,12 +41,16 @@ class Files(Dataset):
         cache_dir: a local directory (disk or tmpfs) to keep copies in; see ``fastfeed.io.cache``.
         cache_bytes: bytes to admit into the cache, all processes together; then it stops admitting and never
             evicts. None: no limit.
+        revalidate_s: a cached remote file is served without asking its store for this long after it was fetched
+            or last checked; then its version (size, ETag or modification time) is checked again, and a changed
+            file is fetched anew. Local files are checked (a ``stat``) on every read.
         retries: further attempts after a failed read, with exponential backoff from 50 ms.
         timeout: seconds a remote request may take before it counts as failed.
     """
 
     def __init__(self, sources, decode: Callable[[bytes], object] | None = None, *, readahead: int = 16,
-                 cache_dir=None, cache_bytes: int | None = None, retries: int = 3, timeout: float = 60.0) -> None:  # fmt: skip
+                 cache_dir=None, cache_bytes: int | None = None, retries: int = 3, timeout: float = 60.0,
+                 revalidate_s: float = 600.0) -> None:  # fmt: skip
         for name, value in (("readahead", readahead), ("retries", retries)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"Files: {name} must be an int >= 0, got {value!r}")
@@ -59,6 +68,7 @@ class Files(Dataset):
         self.readahead = readahead
         self.retries = retries
         self.cache = None if cache_dir is None else Cache(cache_dir, cache_bytes)
+        self.revalidate_s = revalidate_s
         self.remote = Remote(timeout)
         self._local = None  # this process's readers and reads in flight (see _here)
 
@@ -100,8 +110,17 @@ class Files(Dataset):
             return
         local = self._here()
         for index in indices:
-            if index not in local.pending:
-                local.pending[index] = local.readers.submit(self._load, index)
+            if index in local.pending:
+                continue
+            source = self.source(index)
+            if is_url(source):
+                future = self.remote.submit(source, functools.partial(self._load_async, local, index))
+            elif self.cache is None and not mounts.is_network(source):
+                _advise(source)  # a local disk: the kernel reads ahead by itself, once asked
+                continue
+            else:
+                future = None
+            local.pending[index] = future or local.readers.submit(self._load, index)
         while len(local.pending) > local.max_pending:  # reads nobody asked for (an epoch dropped mid-way)
             _, stale = local.pending.popitem(last=False)
             stale.cancel()
@@ -122,13 +141,50 @@ class Files(Dataset):
         raise OSError(f"fastfeed.io.Files: sample {index}: reading {source} failed {self.retries + 1} time(s); "
                       f"last error: {last!r}") from last  # fmt: skip
 
+    async def _load_async(self, local: _Local, index: int, fs, source: str) -> bytes:
+        """``_load`` on an async filesystem's event loop, ``readahead`` at a time per process."""
+        async with local.limit():
+            last = None
+            for attempt in range(self.retries + 1):
+                try:
+                    return await self._read_async(fs, source)
+                except (FileNotFoundError, PermissionError) as e:
+                    raise type(e)(f"fastfeed.io.Files: sample {index}: cannot read {source}: {e}") from e
+                except Exception as e:  # noqa: BLE001 (any transient failure of a store is retried)
+                    last = e
+                    if attempt < self.retries:
+                        await asyncio.sleep(BACKOFF_S * 2**attempt)
+        raise OSError(f"fastfeed.io.Files: sample {index}: reading {source} failed {self.retries + 1} time(s); "
+                      f"last error: {last!r}") from last  # fmt: skip
+
+    async def _read_async(self, fs, source: str) -> bytes:
+        version = None
+        if self.cache is not None:
+            hit = self.cache.get(source, max_age=self.revalidate_s)
+            if hit is not None:
+                return hit
+            version = await self.remote.version_async(fs, source)
+            hit = self.cache.get(source, version)
+            if hit is not None:
+                self.cache.put(source, version, hit, admit=False)  # checked now
+                return hit
+        data = await fs._cat_file(source)
+        if self.cache is not None:
+            self.cache.put(source, version, data)
+        return data
+
     def _read(self, source: str) -> bytes:
         remote = is_url(source)
         version = None
         if self.cache is not None:
+            hit = self.cache.get(source, max_age=self.revalidate_s) if remote else None
+            if hit is not None:
+                return hit
             version = self.remote.version(source) if remote else _local_version(source)
             hit = self.cache.get(source, version)
             if hit is not None:
+                if remote:
+                    self.cache.put(source, version, hit, admit=False)  # checked now
                 return hit
         data = self.remote.read(source) if remote else _read_local(source)
         if self.cache is not None:
@@ -153,6 +209,18 @@ class Files(Dataset):
             self.close()
         except Exception:  # noqa: BLE001 (interpreter shutdown)
             pass
+
+
+def _advise(path: str) -> None:
+    """Ask the kernel to start reading ``path`` into the page cache, and return at once."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # __getitem__ will say what is wrong
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
 
 
 def _local_version(path: str) -> list:
@@ -181,13 +249,21 @@ def _read_local(path: str) -> bytes:
 
 
 class _Local:
-    """One process's reader threads and reads in flight."""
+    """One process's reader threads, its cap on async reads, and its reads in flight."""
 
     def __init__(self, threads: int) -> None:
         self.pid = os.getpid()
         self.pending: collections.OrderedDict[int, Future] = collections.OrderedDict()
         self.max_pending = max(256, 8 * threads)
         self.readers = _Readers(threads)
+        self._threads = threads
+        self._limit = None
+
+    def limit(self) -> asyncio.Semaphore:
+        """The semaphore that keeps ``readahead`` async reads in flight (made on the event loop that uses it)."""
+        if self._limit is None:
+            self._limit = asyncio.Semaphore(self._threads)
+        return self._limit
 
 
 class _Readers:

@@ -1,0 +1,188 @@
+"""Storage: many small files behind latency, the same files on local disk, and token windows from raw files.
+
+  (a) http      2,000 files of ~100 KB served over HTTP on 127.0.0.1 with 5 ms +- 5 ms per request (a real
+                server, benchmarks/_http.py; fsspec's HTTP client on both sides), batch 32, nw=2, torch's defaults
+                (persistent_workers=False). torch runs a plain Dataset that reads each URL with fsspec;
+                fastfeed runs fastfeed.io.Files with read-ahead, then Files with a cache whose epoch 2 is timed
+                (epoch 1 fills it, untimed). Bars: read-ahead >= 4x torch's files/s, cached epoch 2 >= 10x.
+  (b) local     the same files on local disk, each file's pages dropped from the page cache before each epoch
+                (posix_fadvise DONTNEED, which needs no privilege), same loaders.
+Every epoch's samples are compared with torch's: nothing lost or reordered (shuffle with the same seed).
+Figures: files/s and MB/s, medians over interleaved rounds, and fastfeed/torch ratios from the same round.
+
+Run: .venv/bin/python benchmarks/io.py [--rounds 3] [--files 2000] [--quick] [--workloads http local]
+
+Measured:
+  (paste the table of a full run here)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader as TorchLoader
+from torch.utils.data import Dataset
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import fastfeed  # noqa: E402
+from _http import FileServer, make_files  # noqa: E402
+from fastfeed.io import Files  # noqa: E402
+
+BARS = {"readahead": 4.0, "cached": 10.0}
+BATCH, WORKERS = 32, 2
+
+
+def _size(data: bytes) -> torch.Tensor:
+    return torch.tensor(len(data))
+
+
+class FsspecFiles(Dataset):
+    """What a torch user writes for files behind a URL (or a path): read each one whole, then decode it."""
+
+    def __init__(self, sources):
+        self.sources = sources
+        self._fs, self._pid = None, None
+
+    def __len__(self):
+        return len(self.sources)
+
+    def __getitem__(self, i):
+        source = self.sources[i]
+        if "://" not in source:
+            with open(source, "rb") as f:
+                return _size(f.read())
+        if self._pid != os.getpid():
+            import fsspec
+
+            self._fs, self._pid = fsspec.filesystem("http", skip_instance_cache=True), os.getpid()
+        return _size(self._fs.cat_file(source))
+
+
+def _serve(root, latency: float, jitter: float, conn) -> None:
+    with FileServer(root, latency=latency, jitter=jitter) as server:
+        conn.send(server.url)
+        conn.recv()  # serve until told to stop
+
+
+@contextlib.contextmanager
+def served(root, latency: float, jitter: float):
+    """The file server in a process of its own, so that its threads never compete for the loaders' GIL."""
+    ours, theirs = multiprocessing.Pipe()
+    proc = multiprocessing.get_context("fork").Process(target=_serve, args=(root, latency, jitter, theirs))
+    proc.start()
+    try:
+        yield ours.recv()
+    finally:
+        ours.send("stop")
+        proc.join(10)
+
+
+def _drop_page_cache(paths) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def epoch(loader_cls, dataset, seed: int) -> tuple[float, list[int]]:
+    """Seconds for one shuffled epoch (new workers, as torch's defaults), and the samples' sizes in order."""
+    torch.manual_seed(seed)
+    loader = loader_cls(dataset, batch_size=BATCH, shuffle=True, num_workers=WORKERS)
+    t0 = time.perf_counter()
+    sizes = [s for batch in loader for s in batch.tolist()]
+    return time.perf_counter() - t0, sizes
+
+
+def run(name: str, sources: list[str], rounds: int, cache_root: Path, before_epoch=lambda: None) -> dict:
+    nbytes = None
+    figures: dict[str, list] = {"torch": [], "readahead": [], "cached": []}
+    for r in range(rounds):
+        seed = 100 + r
+        cache_dir = cache_root / f"{name}-{r}"
+        runs = {
+            "torch": (TorchLoader, FsspecFiles(sources)),
+            "readahead": (fastfeed.DataLoader, Files(sources, decode=_size)),
+            "cached": (fastfeed.DataLoader, Files(sources, decode=_size, cache_dir=cache_dir)),
+        }
+        order = list(runs) if r % 2 == 0 else list(reversed(runs))
+        expected = None
+        for label in order:
+            cls, ds = runs[label]
+            if label == "cached":
+                before_epoch()
+                epoch(cls, ds, seed)  # epoch 1 fills the cache, untimed
+            before_epoch()
+            seconds, sizes = epoch(cls, ds, seed)
+            if expected is None:
+                expected = sizes
+            elif sizes != expected:
+                raise SystemExit(f"{name}: {label} yielded other samples, or in another order, than torch")
+            nbytes = sum(sizes)
+            figures[label].append(seconds)
+            print(f"  {name} round {r + 1}: {label:9} {len(sources) / seconds:8.0f} files/s", flush=True)
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    out = {}
+    for label, seconds in figures.items():
+        med = statistics.median(seconds)
+        out[label] = {"files_per_s": len(sources) / med, "mb_per_s": nbytes / med / 1e6}
+        if label != "torch":
+            ratios = [t / s for t, s in zip(figures["torch"], seconds)]
+            out[label].update(ratio=statistics.median(ratios), min=min(ratios), max=max(ratios))
+    return out
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--files", type=int, default=2000)
+    p.add_argument("--size", type=int, default=100_000)
+    p.add_argument("--latency-ms", type=float, default=5.0)
+    p.add_argument("--jitter-ms", type=float, default=5.0)
+    p.add_argument("--workloads", nargs="+", default=["http", "local"], choices=["http", "local"])
+    p.add_argument("--quick", action="store_true", help="1 round of 400 files")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds, args.files = 1, 400
+    result = {}
+    with tempfile.TemporaryDirectory(prefix="fastfeed-io-") as tmp:
+        root = Path(tmp) / "files"
+        rel = make_files(root, args.files, args.size)
+        cache_root = Path(tmp) / "cache"
+        if "http" in args.workloads:
+            with served(root, args.latency_ms / 1e3, args.jitter_ms / 1e3) as url:
+                urls = [f"{url}/{r}" for r in rel]
+                print(f"(a) http: {args.files} files behind {args.latency_ms} +- {args.jitter_ms} ms", flush=True)
+                result["http"] = run("http", urls, args.rounds, cache_root)
+        if "local" in args.workloads:
+            paths = [str(root / r) for r in rel]
+            print(f"(b) local: {args.files} files, page cache dropped before each epoch", flush=True)
+            result["local"] = run("local", paths, args.rounds, cache_root, lambda: _drop_page_cache(paths))
+    print(f"\n| workload | torch files/s | fastfeed read-ahead | fastfeed cached, epoch 2 |\n|---|---|---|---|")
+    for name, figs in result.items():
+        t, ra, ca = figs["torch"], figs["readahead"], figs["cached"]
+        bar = {"http": lambda key: f" (bar {BARS[key]}x {'ok' if figs[key]['ratio'] >= BARS[key] else 'MISSED'})"}
+        mark = bar.get(name, lambda key: "")
+        print(f"| ({name}) | {t['files_per_s']:.0f} ({t['mb_per_s']:.0f} MB/s) | {ra['files_per_s']:.0f} "
+              f"({ra['mb_per_s']:.0f} MB/s) = {ra['ratio']:.1f}x ({ra['min']:.1f}-{ra['max']:.1f}){mark('readahead')} | "
+              f"{ca['files_per_s']:.0f} ({ca['mb_per_s']:.0f} MB/s) = {ca['ratio']:.1f}x "
+              f"({ca['min']:.1f}-{ca['max']:.1f}){mark('cached')} |")
+    return result
+
+
+if __name__ == "__main__":
+    main()
