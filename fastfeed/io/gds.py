@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import itertools
 import sys
 from typing import Any, Sequence
 
@@ -72,8 +73,8 @@ def choose(reader: str) -> str:
     return "posix"
 
 
-def _round_up(n: int, page: int) -> int:
-    return -(-n // page) * page
+def _page_ceil(n: int) -> int:
+    return -(-n // PAGE) * PAGE
 
 
 class GdsReader:
@@ -115,7 +116,7 @@ class GdsReader:
 
     def _widen(self, r: Range) -> tuple[int, int]:
         lo = r.file_offset - r.file_offset % PAGE
-        return lo, min(_round_up(r.file_offset + r.nbytes, PAGE), self._data_end(r.file_index))
+        return lo, min(_page_ceil(r.file_offset + r.nbytes), self._data_end(r.file_index))
 
     def _scratch_pages(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """A page-aligned uint8 buffer of ``nbytes`` on ``device``, reused across batches."""
@@ -131,34 +132,41 @@ class GdsReader:
     def read_batch(self, indices: Sequence[int], out: torch.Tensor) -> torch.Tensor:
         """Read samples ``indices`` into ``out``, a contiguous device tensor ``(len(indices), *sample_shape)``.
 
-        Returns ``out``; widened ranges' copies are queued on the current stream.
+        The reads are not stream-ordered: no queued kernel may still use ``out``. Returns ``out`` once the reads
+        are done; the copies out of the scratch buffer are queued on the current stream.
         """
         want = (len(indices), *self.arrays.sample_shape)
         if out.dtype != self.arrays.dtype or tuple(out.shape) != want or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous {self.arrays.dtype} tensor of shape {want}; "
                              f"got {out.dtype} {tuple(out.shape)}")
         out_bytes = out.view(-1).view(torch.uint8)
-        direct, widened = [], []
-        for r in self.arrays.ranges(indices):
-            (direct if self._direct(r, out_bytes) else widened).append(r)
-        spans = [self._widen(r) for r in widened]
-        starts = [0]
-        for lo, hi in spans:
-            starts.append(starts[-1] + _round_up(hi - lo, PAGE))
-        scratch = self._scratch_pages(starts[-1], out.device) if widened else None
-
-        pending = [(r.file_index, r.file_offset, out_bytes[r.out_offset : r.out_offset + r.nbytes]) for r in direct]
-        pending += [(r.file_index, lo, scratch[at : at + hi - lo]) for r, (lo, hi), at in zip(widened, spans, starts)]
-        self._read_all(pending)
-
-        for r, (lo, _), at in zip(widened, spans, starts):
-            skip = at + r.file_offset - lo
-            out_bytes[r.out_offset : r.out_offset + r.nbytes].copy_(scratch[skip : skip + r.nbytes])
-        if widened and out.is_cuda:
+        ranges = self.arrays.ranges(indices)
+        direct = [r for r in ranges if self._direct(r, out_bytes)]
+        widened = [r for r in ranges if not self._direct(r, out_bytes)]
+        reads = [(r.file_index, r.file_offset, out_bytes[r.out_offset : r.out_offset + r.nbytes]) for r in direct]
+        copies = self._widened_reads(widened, out_bytes, reads) if widened else []
+        self._read_all(reads)
+        for target, source in copies:
+            target.copy_(source)
+        if copies and out.is_cuda:
             self._copied = torch.cuda.Event()
             self._copied.record()
-        self._count(direct, widened, spans)
+        self._count(ranges, reads, len(direct))
         return out
+
+    def _widened_reads(
+        self, widened: list[Range], out_bytes: torch.Tensor, reads: list[tuple[int, int, torch.Tensor]],
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+        """Append the page-bounded reads of ``widened`` into scratch to ``reads``; return the copies to make."""
+        spans = [self._widen(r) for r in widened]
+        starts = list(itertools.accumulate((_page_ceil(hi - lo) for lo, hi in spans), initial=0))
+        scratch = self._scratch_pages(starts[-1], out_bytes.device)
+        copies = []
+        for r, (lo, hi), at in zip(widened, spans, starts):
+            reads.append((r.file_index, lo, scratch[at : at + hi - lo]))
+            skip = at + r.file_offset - lo
+            copies.append((out_bytes[r.out_offset : r.out_offset + r.nbytes], scratch[skip : skip + r.nbytes]))
+        return copies
 
     def _read_all(self, pending: list[tuple[int, int, torch.Tensor]]) -> None:
         """Issue every ``(file_index, file_offset, destination)`` read, then wait for all of them."""
@@ -180,13 +188,12 @@ class GdsReader:
             if got != buf.numel():
                 raise OSError(f"{where} came back short: {got} bytes")
 
-    def _count(self, direct: list[Range], widened: list[Range], spans: list[tuple[int, int]]) -> None:
-        wanted = sum(r.nbytes for r in direct) + sum(r.nbytes for r in widened)
+    def _count(self, ranges: list[Range], reads: list[tuple[int, int, torch.Tensor]], direct: int) -> None:
         self.stats["batches"] += 1
-        self.stats["aligned"] += len(direct)
-        self.stats["widened"] += len(widened)
-        self.stats["bytes_wanted"] += wanted
-        self.stats["bytes_read"] += sum(r.nbytes for r in direct) + sum(hi - lo for lo, hi in spans)
+        self.stats["aligned"] += direct
+        self.stats["widened"] += len(ranges) - direct
+        self.stats["bytes_wanted"] += sum(r.nbytes for r in ranges)
+        self.stats["bytes_read"] += sum(buf.numel() for _, _, buf in reads)
 
     def close(self) -> None:
         """Close the ``CuFile`` handles; a later read reopens them."""
