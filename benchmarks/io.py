@@ -7,6 +7,9 @@
                 (epoch 1 fills it, untimed). Bars: read-ahead >= 4x torch's files/s, cached epoch 2 >= 10x.
   (b) local     the same files on local disk, each file's pages dropped from the page cache before each epoch
                 (posix_fadvise DONTNEED, which needs no privilege), same loaders.
+  (c) tokens    fastfeed.io.ArrayFiles token windows (2049 uint16 tokens, from 3 raw .bin files of 16M tokens, windows
+                crossing their boundaries) against the np.memmap Dataset a torch user writes, batch 32, nw=2,
+                --token-batches random windows per epoch, page cache warm (a token corpus that fits in RAM).
 Every epoch's samples are compared with torch's: nothing lost or reordered (shuffle with the same seed).
 Figures: files/s and MB/s, medians over interleaved rounds, and fastfeed/torch ratios from the same round.
 
@@ -29,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader as TorchLoader
 from torch.utils.data import Dataset
@@ -39,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fastfeed  # noqa: E402
 from _http import FileServer, make_files  # noqa: E402
-from fastfeed.io import Files  # noqa: E402
+from fastfeed.io import ArrayFiles, Files  # noqa: E402
 
 BARS = {"readahead": 4.0, "cached": 10.0}
 BATCH, WORKERS = 32, 2
@@ -88,6 +92,79 @@ def served(root, latency: float, jitter: float):
     finally:
         ours.send("stop")
         proc.join(10)
+
+
+class MemmapTokens(Dataset):
+    """What a torch user writes for token files: one np.memmap over their concatenation, sliced per window."""
+
+    def __init__(self, paths, window: int):
+        self.paths, self.window = paths, window
+        self._maps = None
+
+    def _open(self):
+        if self._maps is None:
+            self._maps = [np.memmap(p, dtype=np.uint16, mode="r") for p in self.paths]
+            self._starts = np.cumsum([0] + [len(m) for m in self._maps])
+        return self._maps
+
+    def __len__(self):
+        self._open()
+        return int(self._starts[-1]) - self.window + 1
+
+    def __getitem__(self, i):
+        maps, parts, want = self._open(), [], self.window
+        f = int(np.searchsorted(self._starts, i, side="right")) - 1
+        offset = i - int(self._starts[f])
+        while want:
+            part = maps[f][offset:offset + want]
+            parts.append(part)
+            want -= len(part)
+            f, offset = f + 1, 0
+        return torch.from_numpy(np.concatenate(parts).astype(np.int64))
+
+
+class Tokens(Dataset):
+    """ArrayFiles' windows as the same int64 tensors (the cast is the model's input dtype, in both)."""
+
+    def __init__(self, arrays):
+        self.arrays = arrays
+
+    def __len__(self):
+        return len(self.arrays)
+
+    def __getitem__(self, i):
+        return self.arrays[i].to(torch.int64)
+
+
+def tokens(tmp: Path, rounds: int, batches: int) -> dict:
+    rng = np.random.default_rng(0)
+    paths = []
+    for k in range(3):
+        p = tmp / f"tokens{k}.bin"
+        rng.integers(0, 50_000, 16_000_000, dtype=np.uint16).tofile(p)
+        paths.append(str(p))
+    window = 2049
+    base = {"torch": MemmapTokens(paths, window), "fastfeed": Tokens(ArrayFiles(paths, np.uint16, (), window=window))}
+    n = batches * BATCH
+    figures: dict[str, list] = {"torch": [], "fastfeed": []}
+    for r in range(rounds):
+        order = ["torch", "fastfeed"] if r % 2 == 0 else ["fastfeed", "torch"]
+        sums = {}
+        for label in order:
+            cls = TorchLoader if label == "torch" else fastfeed.DataLoader
+            # Random windows (a permutation of 48M windows would cost seconds of its own): the same for both.
+            sampler = torch.randint(0, len(base[label]), (n,), generator=torch.Generator().manual_seed(r)).tolist()
+            loader = cls(base[label], batch_size=BATCH, sampler=sampler, num_workers=WORKERS)
+            t0 = time.perf_counter()
+            sums[label] = [int(b.sum()) for b in loader]
+            figures[label].append(time.perf_counter() - t0)
+            print(f"  tokens round {r + 1}: {label:9} {n / figures[label][-1]:8.0f} windows/s", flush=True)
+        if sums["torch"] != sums["fastfeed"]:
+            raise SystemExit("tokens: ArrayFiles windows differ from the memmap's")
+    t, f = statistics.median(figures["torch"]), statistics.median(figures["fastfeed"])
+    ratios = [a / b for a, b in zip(figures["torch"], figures["fastfeed"])]
+    return {"torch": n / t, "fastfeed": n / f, "ratio": statistics.median(ratios), "min": min(ratios),
+            "max": max(ratios), "mb_per_s": n * window * 2 / f / 1e6}  # fmt: skip
 
 
 def _drop_page_cache(paths) -> None:
@@ -153,11 +230,12 @@ def main(argv=None) -> dict:
     p.add_argument("--size", type=int, default=100_000)
     p.add_argument("--latency-ms", type=float, default=5.0)
     p.add_argument("--jitter-ms", type=float, default=5.0)
-    p.add_argument("--workloads", nargs="+", default=["http", "local"], choices=["http", "local"])
-    p.add_argument("--quick", action="store_true", help="1 round of 400 files")
+    p.add_argument("--token-batches", type=int, default=300)
+    p.add_argument("--workloads", nargs="+", default=["http", "local", "tokens"], choices=["http", "local", "tokens"])
+    p.add_argument("--quick", action="store_true", help="1 round of 400 files, 60 token batches")
     args = p.parse_args(argv)
     if args.quick:
-        args.rounds, args.files = 1, 400
+        args.rounds, args.files, args.token_batches = 1, 400, 60
     result = {}
     with tempfile.TemporaryDirectory(prefix="fastfeed-io-") as tmp:
         root = Path(tmp) / "files"
@@ -172,8 +250,13 @@ def main(argv=None) -> dict:
             paths = [str(root / r) for r in rel]
             print(f"(b) local: {args.files} files, page cache dropped before each epoch", flush=True)
             result["local"] = run("local", paths, args.rounds, cache_root, lambda: _drop_page_cache(paths))
+        if "tokens" in args.workloads:
+            print(f"(c) tokens: {args.token_batches} batches of {BATCH} windows of 2049 tokens", flush=True)
+            result["tokens"] = tokens(Path(tmp), args.rounds, args.token_batches)
     print(f"\n| workload | torch files/s | fastfeed read-ahead | fastfeed cached, epoch 2 |\n|---|---|---|---|")
     for name, figs in result.items():
+        if name == "tokens":
+            continue
         t, ra, ca = figs["torch"], figs["readahead"], figs["cached"]
         bar = {"http": lambda key: f" (bar {BARS[key]}x {'ok' if figs[key]['ratio'] >= BARS[key] else 'MISSED'})"}
         mark = bar.get(name, lambda key: "")
@@ -181,6 +264,10 @@ def main(argv=None) -> dict:
               f"({ra['mb_per_s']:.0f} MB/s) = {ra['ratio']:.1f}x ({ra['min']:.1f}-{ra['max']:.1f}){mark('readahead')} | "
               f"{ca['files_per_s']:.0f} ({ca['mb_per_s']:.0f} MB/s) = {ca['ratio']:.1f}x "
               f"({ca['min']:.1f}-{ca['max']:.1f}){mark('cached')} |")
+    if "tokens" in result:
+        tk = result["tokens"]
+        print(f"\n(tokens) ArrayFiles {tk['fastfeed']:.0f} windows/s ({tk['mb_per_s']:.0f} MB/s), np.memmap under torch "
+              f"{tk['torch']:.0f} windows/s: {tk['ratio']:.2f}x ({tk['min']:.2f}-{tk['max']:.2f})")
     return result
 
 

@@ -125,3 +125,14 @@ def test_dropping_the_iterator_with_reads_in_flight_leaves_nothing_behind(site):
     t0 = time.perf_counter()
     del it
     assert time.perf_counter() - t0 < 5
+
+
+def test_a_failing_version_check_is_retried_not_taken_for_a_missing_file(site):
+    """fsspec reports a 500 on info() as FileNotFoundError; the cache's version check retries it instead."""
+    server, rel, tmp = site
+    url = server.url_of(rel[0])
+    ds = Files([url], decode=_size, cache_dir=tmp / "cache", revalidate_s=0, retries=3)
+    first = next(iter(fastfeed.DataLoader(ds, batch_size=1, num_workers=1)))
+    server.faults[rel[0]] = {"fail": 2}  # info() spends both on its HEAD and its GET fallback
+    again = next(iter(fastfeed.DataLoader(ds, batch_size=1, num_workers=1)))
+    assert again.tolist() == first.tolist()

@@ -7,6 +7,7 @@ loader calls it one batch ahead). It must return at once; the reads it starts ru
 ``__getitem__`` takes their result. ``Files`` implements it.
 """
 
+from .arrays import ArrayFiles
 from .files import Files
 
-__all__ = ["Files"]
+__all__ = ["ArrayFiles", "Files"]

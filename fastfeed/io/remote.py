@@ -56,7 +56,10 @@ class Remote:
 
     def version(self, url: str) -> list:
         """The source's size and whatever change marker its store gives (ETag, modification time)."""
-        return _version(self.fs(url).info(url))
+        try:
+            return _version(self.fs(url).info(url))
+        except FileNotFoundError as e:
+            raise _transient(e, url) from e
 
     def submit(self, url: str, load) -> Future | None:
         """Run coroutine ``load(fs, url)`` on the filesystem's own event loop, when it has one (HTTP, S3, GCS):
@@ -68,7 +71,10 @@ class Remote:
 
     @staticmethod
     async def version_async(fs, url: str) -> list:
-        return _version(await fs._info(url))
+        try:
+            return _version(await fs._info(url))
+        except FileNotFoundError as e:
+            raise _transient(e, url) from e
 
     def glob(self, directory: str, pattern: str) -> list[str]:
         fs = self.fs(directory)
@@ -79,3 +85,11 @@ class Remote:
 def _version(info: dict) -> list:
     marker = next((str(info[k]) for k in _VERSION_KEYS if info.get(k) is not None), None)
     return [info.get("size"), marker]
+
+
+def _transient(error: FileNotFoundError, url: str) -> Exception:
+    """fsspec's ``info()`` reports any failed request as FileNotFoundError; only a 404 means a missing file,
+    anything else (a 500, a reset) is worth retrying."""
+    cause = error.__cause__
+    status = getattr(cause, "status", 404)
+    return error if cause is None or status == 404 else OSError(f"{url}: {cause!r}")
