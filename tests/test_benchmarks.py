@@ -168,6 +168,15 @@ def test_doctor_benchmark(bench_env):
     assert "verdict: " in proc.stdout
 
 
+@pytest.mark.fastfeed_only
+def test_io_benchmark(bench_env):
+    """io.py --quick runs the HTTP, local and token-window workloads against torch and prints the table."""
+    proc = subprocess.run([sys.executable, str(BENCH / "io.py"), "--quick"], cwd=REPO, env=bench_env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| (http) |" in proc.stdout and "| (local) |" in proc.stdout and "(tokens) ArrayFiles" in proc.stdout
+
+
 def test_startup(tmp_path, bench_env):
     """startup.py reports time to first batch of epochs 1 and 2+, and peak PSS, with their bars."""
     result = run_quick("startup", tmp_path, bench_env)
