@@ -56,6 +56,14 @@ def _shm(directory: str) -> dict:
     return {"dir": directory, "total_mb": round(usage.total / 1e6), "free_mb": round(usage.free / 1e6)}
 
 
+def _reader() -> dict:
+    """What ``DataLoader(ArrayFiles(...), device="cuda", reader="auto")`` picks here, and why."""
+    from .io import gds
+
+    ok, why = gds.available()
+    return {"auto": "gds" if ok else "posix", "why": why}
+
+
 def report() -> dict:
     """Everything ``fastfeed info`` prints, as plain values."""
     topo = topology.discover()
@@ -79,6 +87,7 @@ def report() -> dict:
             "dali": _package("nvidia.dali", "nvidia-dali-cuda120"),
             "kvikio": _package("kvikio", "kvikio-cu12"),
         },
+        "reader": _reader(),
         "shm": [_shm("/dev/shm")] + ([_shm(config.shm_dir())] if config.shm_dir() != "/dev/shm" else []),
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("FASTFEED_") or k in _ENV},
     }
@@ -109,6 +118,8 @@ def render(info: dict) -> str:
                      f"{p['main_cpus'] or '(unchanged)'}, memory policy {p['mempolicy']}")  # fmt: skip
         lines.append(f"  why: {p['note']}")
     lines.append("available: " + ", ".join(f"{k} {v or 'no'}" for k, v in info["available"].items()))
+    r = info["reader"]
+    lines.append(f"reader='auto' for ArrayFiles on a GPU: {r['auto']} ({r['why']})")
     for shm in info["shm"]:
         lines.append(f"shared memory {shm['dir']}: " + (shm.get("error") or
                      f"{shm['free_mb']} MB free of {shm['total_mb']} MB"))  # fmt: skip

@@ -22,6 +22,9 @@ from . import _state, affinity, stats, transfer
 from ._iterator import RingDataLoaderIter
 from ._ring.ring import Ring
 from ._single import SingleProcessIter
+from .io import gds
+from .io.arrays import ArrayFiles
+from .io.direct import GdsFetcher
 from .tuning import auto as tuning_auto
 from .tuning.online import TuningIter
 
@@ -69,9 +72,15 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
 
     def __init__(
         self, *args, worker_type: str = "process", device=None, device_transform=None, device_prefetch: int = 1,
-        numa="auto", **kwargs,
+        numa="auto", reader=None, **kwargs,
     ):  # fmt: skip
-        """``num_workers`` and ``prefetch_factor`` also take ``"auto"``: see ``fastfeed.tuning.auto``."""
+        """``num_workers`` and ``prefetch_factor`` also take ``"auto"``: see ``fastfeed.tuning.auto``.
+
+        ``reader`` (an ``ArrayFiles`` dataset only): ``"gds"`` reads each batch from disk straight into the
+        ``device`` with kvikio (GPUDirect Storage) in the loop's thread (``num_workers`` is moot); ``"posix"`` reads with
+        ``pread`` in the workers, into the ring, copied to the device on the side stream; ``"auto"`` takes GDS
+        where kvikio, libcuda and a GPU are present (``fastfeed info`` says which). None: the usual path.
+        """
         if worker_type not in WORKER_TYPES:
             raise ValueError(f"worker_type must be one of {WORKER_TYPES}, got {worker_type!r}")
         args, auto = tuning_auto.take(args, kwargs)
@@ -93,8 +102,16 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                     "shared graph); use worker_type='process'"
                 )
         self.worker_type = worker_type
+        self.reader = _reader(reader, self.dataset, self.device)
+        if self.reader == "gds":
+            self._read_direct()
         if auto is not None:
             tuning_auto.start(self, auto)
+
+    def _read_direct(self) -> None:
+        """GDS: batches are read into device memory in the loop's thread, so there are no workers to start."""
+        self.reader = "gds"
+        self.num_workers = 0
 
     tune_result = None  # with num_workers="auto": the TuneResult chosen (from the cache, or once tuned)
     _ff_tuner = None  # with "auto" on a cache miss: the online tuner, until it settles
@@ -124,6 +141,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                     "the tuned values (loader.tune_result.loader_kwargs() of the run that saved the state)"
                 )
             return TuningIter(self, self._ff_tuner)
+        if self.reader == "gds":  # batches read into device memory here: torch's single-process machinery
+            it = SingleProcessIter(self, resume)
+            it._dataset_fetcher = GdsFetcher(self.dataset, self.device, self._auto_collation)
+            return it
         if self.num_workers == 0:
             return SingleProcessIter(self, resume)  # torch's single-process iterator, plus a state
         self.check_worker_number_rationality()
@@ -174,7 +195,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         if it._stats is not None and it._stats is self._ff_stats:  # persistent workers: a new epoch
             it._stats = stats.recorder(it._num_workers, self.prefetch_factor if it._num_workers else None)
         self._ff_stats = it._stats
-        if self._ff_stage is None:
+        if self._ff_stage is None or self.reader == "gds":  # GDS batches are on the device already
             return it
         if self._ff_copier is None:
             self._ff_copier = transfer.copier_for(self._ff_stage)
@@ -258,3 +279,19 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self._ff_epochs = state_dict["epochs"] - (1 if state_dict["mid_epoch"] else 0)
         needed = state_dict["mid_epoch"] or state_dict["workers"] is not None
         self._ff_resume = state_dict if needed else None
+
+
+def _reader(reader, dataset, device) -> str | None:
+    """``DataLoader(reader=...)`` checked and resolved to "gds" or "posix" (None: not asked for)."""
+    if reader is None:
+        return None
+    if not isinstance(dataset, ArrayFiles):
+        raise ValueError(f"reader={reader!r} reads fastfeed.io.ArrayFiles datasets, and this dataset is a "
+                         f"{type(dataset).__name__}: leave reader unset")  # fmt: skip
+    on_gpu = device is not None and device.type == "cuda"
+    if reader == "auto" and not on_gpu:
+        return "posix"  # GDS reads into GPU memory: nothing to gain without device="cuda"
+    choice = gds.choose(reader)
+    if choice == "gds" and not on_gpu:
+        raise ValueError("reader='gds' reads batches straight into GPU memory: pass device='cuda' as well")
+    return choice

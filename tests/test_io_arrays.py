@@ -8,6 +8,7 @@ destination tensor from the real file.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import pickle
@@ -432,3 +433,52 @@ def test_gds_unaligned_windows_are_widened_to_pages(tmp_path, arrays, kvikio_log
         assert reader.stats["aligned"] == 0 and reader.stats["widened"] == len(ranges)
         assert reader.stats["bytes_wanted"] == len(indices) * window * 2 < reader.stats["bytes_read"]
         assert kvikio_log.opened == paths
+
+
+def test_the_loaders_gds_path_yields_the_posix_batches_and_resumes(tmp_path, arrays, kvikio_log):
+    """DataLoader(reader="gds") through the fake kvikio (a CPU tensor standing in for device memory): the same
+    shuffled batches as the usual path, no worker started, and state_dict() resumes mid-epoch."""
+    import fastfeed
+
+    paths, _ = tokens(tmp_path, [3000, 5000], "rr")
+    ds = arrays(paths, np.uint16, (), window=257)
+
+    def gds_loader():
+        loader = fastfeed.DataLoader(ds, batch_size=8, shuffle=True, num_workers=2, reader="posix")
+        loader.device = torch.device("cpu")  # what device="cuda" gives on a GPU
+        loader._read_direct()
+        return loader
+
+    torch.manual_seed(5)
+    expected = [b.clone() for b in fastfeed.DataLoader(ds, batch_size=8, shuffle=True)]
+    torch.manual_seed(5)
+    loader = gds_loader()
+    it = iter(loader)
+    assert type(it).__name__ == "SingleProcessIter"
+    got = [next(it).clone() for _ in range(3)]
+    state = loader.state_dict()
+    got += [b.clone() for b in it]
+    assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert kvikio_log.preads  # the batches came through kvikio
+    resumed = gds_loader()
+    resumed.load_state_dict(state)
+    rest = [b.clone() for b in resumed]
+    assert all(torch.equal(a, b) for a, b in zip(rest, expected[3:])) and len(rest) == len(expected) - 3
+    del it, loader, resumed
+    gc.collect()
+    assert sorted(kvikio_log.closed) == sorted(kvikio_log.opened)  # each epoch's reader closed its files
+
+
+def test_reader_asks_for_arrayfiles_and_a_gpu_for_gds(tmp_path, arrays):
+    """reader= on another dataset, an unknown reader, or GDS here are clear errors; "auto" without a GPU is POSIX."""
+    import fastfeed
+
+    paths, _ = tokens(tmp_path, [600], "r")
+    ds = arrays(paths, np.uint16, (), window=16)
+    assert fastfeed.DataLoader(ds, batch_size=4, reader="auto").reader == "posix"
+    with pytest.raises(ValueError, match="reads fastfeed.io.ArrayFiles"):
+        fastfeed.DataLoader(list(range(8)), reader="posix")
+    with pytest.raises(ValueError, match="choose one of"):
+        fastfeed.DataLoader(ds, reader="fast")
+    with pytest.raises(RuntimeError, match="GPUDirect Storage cannot work here"):
+        fastfeed.DataLoader(ds, batch_size=4, reader="gds")

@@ -167,6 +167,8 @@ def test_fastfeed_info_describes_this_machine():
     report = json.loads(run_info("--json"))
     assert report["topology"]["nodes"] and "plan" in report["topology"]
     assert set(report["available"]) == {"nvml", "pinning", "dali", "kvikio"}
+    expected = "posix" if not __import__("torch").cuda.is_available() else report["reader"]["auto"]
+    assert report["reader"]["auto"] == expected and f"reader='auto' for ArrayFiles on a GPU: {expected}" in text
 
 
 def test_fastfeed_info_on_a_fake_dgx_plans_for_its_local_rank(tmp_path):
