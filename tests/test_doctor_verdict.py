@@ -136,7 +136,7 @@ def test_each_epochs_slow_start_advises_persistent_workers():
 
 
 def test_six_questions_are_answered_with_numbers():
-    """Each of seed 004's six questions gets a number."""
+    """Each of the six questions about a stalling loop gets a number."""
     waits = [0.02 if i % 3 == 0 else 0.001 for i in range(N)]
     tl = make(waits, [0.01 + 0.001 * (i % 5) for i in range(N)], worker_s=0.02, worker_cpu=0.9, gpu=True,
               samples=lambda t: {"cpu_busy": 0.5, "gpu_util": 0.5 + 0.4 * ((int(t * 10) % 3) == 0)})  # fmt: skip

@@ -10,7 +10,8 @@ JSON schema (``report.json``, ``"schema": "fastfeed.doctor/1"``), top-level keys
 - ``workers``: busy fraction per worker, mean seconds per batch, CPU cores per worker process.
 - ``system``: means over the loader's span of the sampler's figures (``fastfeed.doctor.sampler``): cpu_busy,
   iowait, psi_cpu, psi_io, disk_read_mbps (and its cv), disk_read_ms, main_cpu, gpu_util, gpu_mem_util, pcie_*.
-- ``questions``: six entries, ``{question, value, unit, how}``: seed 004's questions answered with numbers.
+- ``questions``: six entries, ``{question, value, unit, how}``: the six questions to ask of a stalling loop (step
+  time vs utilisation, synthetic input, host stalls, uneven storage, distributed sync, work per step), as numbers.
 - ``periodic``: stalls every ``period`` batches (``bursts``: a multiple of num_workers), or null.
 - ``dips``: GPU-utilisation dips and how many the input stalls explain, or null without a GPU.
 - ``advice``: ``{change, setting, why, predicted_samples_per_s, predicted_gain}``, best first.

@@ -145,7 +145,7 @@ def _per_worker_s(ev: Evidence, whatif: dict) -> float | None:
 
 
 def questions(tl: Timeline, ev: Evidence, whatif: dict, events: list[int]) -> list[dict]:
-    """Seed 004's six questions, each answered with a number."""
+    """The six questions to ask of a stalling loop, each answered with a number."""
     iteration = [w + s for w, s in zip(ev.waits, ev.steps)]
     out = []
     util = [(s["t"], s["gpu_util"]) for s in tl.samples if s.get("gpu_util") is not None]
