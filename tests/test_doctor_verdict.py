@@ -50,6 +50,9 @@ def test_workers_busy_without_using_a_cpu_are_blocked_in_reads():
     v = diagnose(tl)
     assert (v.bottleneck, v.cause) == ("input", "io")
     assert v.advice[0]["setting"]["num_workers"] > 2  # not capped at the cores: they wait, not compute
+    assert "prefetch(indices)" in v.advice[1]["change"]
+    tl.loaders[0].prefetch = True  # a dataset that reads ahead already is not told to
+    assert not any("prefetch(indices)" in a["change"] for a in diagnose(tl).advice)
 
 
 def test_a_slow_step_is_compute():

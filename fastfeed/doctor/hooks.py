@@ -69,7 +69,7 @@ class _Seen:
             id=ident, kind="fastfeed" if fast else "torch", made_at=made_at, num_workers=loader.num_workers,
             prefetch_factor=loader.prefetch_factor, batch_size=loader.batch_size,
             worker_type=getattr(loader, "worker_type", "process"), persistent_workers=loader.persistent_workers,
-            pin_memory=loader.pin_memory,
+            pin_memory=loader.pin_memory, prefetch=callable(getattr(loader.dataset, "prefetch", None)),
         )  # fmt: skip
         self.epochs: list[_Epoch] = []
 

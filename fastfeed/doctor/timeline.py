@@ -57,6 +57,7 @@ class LoaderRecord:
     worker_type: str = "process"
     persistent_workers: bool = False
     pin_memory: bool = False
+    prefetch: bool = False  # the dataset reads ahead (defines prefetch(indices), as fastfeed.io.Files does)
     epochs: list[EpochRecord] = field(default_factory=list)
 
     @property

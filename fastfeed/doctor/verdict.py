@@ -214,6 +214,10 @@ def advise(ev: Evidence, bottleneck: str, cause: str | None, whatif: dict, per: 
             if cause == "io":
                 why += "; the workers spend most of that waiting (reads), not computing, so more of them overlap it"
             item(f"num_workers={k}", {"num_workers": k}, why, predicted)
+    if bottleneck == "input" and cause == "io" and not loader.prefetch:
+        item("read ahead: give the dataset prefetch(indices) (fastfeed.io.Files has it)", None,
+             "the workers wait on reads one at a time; with read-ahead each keeps many in flight while it decodes",
+             None)
     if bottleneck == "input" and cause == "cpu":
         item("make each sample cheaper (decode or transform less on the CPU, or on the GPU)", None,
              f"the CPUs are {ev.system.get('cpu_busy', 0):.0%} busy: more workers have no core to run on", None)
