@@ -264,13 +264,14 @@ def main(argv=None) -> dict:
         bar = {"http": lambda key: f" (bar {BARS[key]}x {'ok' if figs[key]['ratio'] >= BARS[key] else 'MISSED'})"}
         mark = bar.get(name, lambda key: "")
         print(f"| ({name}) | {t['files_per_s']:.0f} ({t['mb_per_s']:.0f} MB/s) | {ra['files_per_s']:.0f} "
-              f"({ra['mb_per_s']:.0f} MB/s) = {ra['ratio']:.1f}x ({ra['min']:.1f}-{ra['max']:.1f}){mark('readahead')} | "
+              f"({ra['mb_per_s']:.0f} MB/s) = {ra['ratio']:.1f}x ({ra['min']:.1f}-{ra['max']:.1f})"
+              f"{mark('readahead')} | "
               f"{ca['files_per_s']:.0f} ({ca['mb_per_s']:.0f} MB/s) = {ca['ratio']:.1f}x "
               f"({ca['min']:.1f}-{ca['max']:.1f}){mark('cached')} |")
     if "tokens" in result:
         tk = result["tokens"]
-        print(f"\n(tokens) ArrayFiles {tk['fastfeed']:.0f} windows/s ({tk['mb_per_s']:.0f} MB/s), np.memmap under torch "
-              f"{tk['torch']:.0f} windows/s: {tk['ratio']:.2f}x ({tk['min']:.2f}-{tk['max']:.2f})")
+        print(f"\n(tokens) ArrayFiles {tk['fastfeed']:.0f} windows/s ({tk['mb_per_s']:.0f} MB/s), "
+              f"np.memmap under torch {tk['torch']:.0f} windows/s: {tk['ratio']:.2f}x ({tk['min']:.2f}-{tk['max']:.2f})")
     return result
 
 

@@ -77,8 +77,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         """``num_workers`` and ``prefetch_factor`` also take ``"auto"``: see ``fastfeed.tuning.auto``.
 
         ``reader`` (an ``ArrayFiles`` dataset only): ``"gds"`` reads each batch from disk straight into the
-        ``device`` with kvikio (GPUDirect Storage) in the loop's thread (``num_workers`` is moot); ``"posix"`` reads with
-        ``pread`` in the workers, into the ring, copied to the device on the side stream; ``"auto"`` takes GDS
+        ``device`` with kvikio (GPUDirect Storage) in the loop's thread (``num_workers`` is moot); ``"posix"``
+        reads with ``pread`` in the workers, into the ring, copied to the device on the side stream; ``"auto"`` takes GDS
         where kvikio, libcuda and a GPU are present (``fastfeed info`` says which). None: the usual path.
         """
         if worker_type not in WORKER_TYPES:

@@ -126,7 +126,8 @@ class Recorder:
         return wait, step
 
 
-def _quantile(values, q: float) -> float | None:
+def quantile(values, q: float) -> float | None:
+    """The ``q`` quantile of ``values`` (the nearest rank below), or None for none."""
     if not values:
         return None
     ordered = sorted(values)
@@ -187,15 +188,15 @@ class Stats:
             elapsed_s=elapsed,
             batches_per_s=batches / elapsed if elapsed > 0 else 0.0,
             stall_fraction=sum_wait / total if total > 0 else 0.0,
-            wait_p50_s=_quantile(waits, 0.5),
-            wait_p95_s=_quantile(waits, 0.95),
-            step_p50_s=_quantile(steps, 0.5),
-            step_p95_s=_quantile(steps, 0.95),
+            wait_p50_s=quantile(waits, 0.5),
+            wait_p95_s=quantile(waits, 0.95),
+            step_p50_s=quantile(steps, 0.5),
+            step_p95_s=quantile(steps, 0.95),
             ready_mean=statistics.fmean(rec.ready) if rec.ready else None,
             worker_busy=tuple(min(1.0, b / lifetime) for b in busy),
             fetch_mean_s=statistics.fmean(fetch) if fetch else None,
             collate_mean_s=statistics.fmean(collate) if collate else None,
-            h2d_p50_s=_quantile(rec.h2d, 0.5),
+            h2d_p50_s=quantile(rec.h2d, 0.5),
         )
 
     def as_dict(self) -> dict:

@@ -61,6 +61,13 @@ def batches(loader) -> list[torch.Tensor]:
     return [b.clone() for b in loader]
 
 
+def assert_workers_match_one_process(loader, samples: int, batch_size: int) -> None:
+    """``loader(num_workers)`` with 2 workers yields exactly the batches it yields with none."""
+    single, parallel = batches(loader(0)), batches(loader(2))
+    assert len(single) == len(parallel) == math.ceil(samples / batch_size)
+    assert all(torch.equal(a, b) for a, b in zip(single, parallel))
+
+
 def tokens(tmp_path, sizes: list[int], kinds: str) -> tuple[list[str], np.ndarray]:
     """uint16 token files of the given sizes ('r' raw, 'n' .npy per file), and their concatenation."""
     reference = np.random.default_rng(0).integers(0, 65535, sum(sizes), dtype=np.uint16)
@@ -238,15 +245,12 @@ def test_torch_dataloader_workers_match_single_process(tmp_path, arrays, context
     ds = arrays(paths, np.uint16, (), window=8)
     ds[0]  # descriptors open in the parent before the workers start
 
-    def run(workers: int) -> list[torch.Tensor]:
+    def loader(workers: int) -> tud.DataLoader:
         extra = {"multiprocessing_context": context} if workers else {}
-        loader = tud.DataLoader(ds, batch_size=16, shuffle=True, num_workers=workers,
-                                generator=torch.Generator().manual_seed(5), **extra)
-        return batches(loader)
+        return tud.DataLoader(ds, batch_size=16, shuffle=True, num_workers=workers,
+                              generator=torch.Generator().manual_seed(5), **extra)
 
-    single, parallel = run(0), run(2)
-    assert len(single) == len(parallel) == math.ceil(len(ds) / 16)
-    assert all(torch.equal(a, b) for a, b in zip(single, parallel))
+    assert_workers_match_one_process(loader, len(ds), 16)
 
 
 def test_fastfeed_dataloader_shuffled_workers_match_single_process(tmp_path, arrays):
@@ -254,14 +258,11 @@ def test_fastfeed_dataloader_shuffled_workers_match_single_process(tmp_path, arr
     paths, _ = tokens(tmp_path, [60, 45], "nr")
     ds = arrays(paths, np.uint16, (), window=16)
 
-    def run(workers: int) -> list[torch.Tensor]:
-        loader = fastfeed.DataLoader(ds, batch_size=8, shuffle=True, num_workers=workers,
-                                     generator=torch.Generator().manual_seed(9))
-        return batches(loader)
+    def loader(workers: int) -> fastfeed.DataLoader:
+        return fastfeed.DataLoader(ds, batch_size=8, shuffle=True, num_workers=workers,
+                                   generator=torch.Generator().manual_seed(9))
 
-    single, parallel = run(0), run(2)
-    assert len(single) == len(parallel) == math.ceil(len(ds) / 8)
-    assert all(torch.equal(a, b) for a, b in zip(single, parallel))
+    assert_workers_match_one_process(loader, len(ds), 8)
 
 
 def test_distributed_sampler_shards_cover_the_dataset(tmp_path, arrays):

@@ -50,14 +50,15 @@ def examine(target: str, argv: list[str], module: bool = False, steps: int = 300
     report.whatif["compute_ceiling"], why = whatif.compute_ceiling(target, argv, module, steps)
     if why:
         skipped["compute_ceiling"] = why
-    advice = [a for a in report.verdict().advice if a["setting"]]
+    verdict = report.verdict()
+    advice = [a for a in verdict.advice if a["setting"]]
     if not advice:
         skipped["closing"] = "no setting to change"
         return report
     best = advice[0]
     _say(f"what-if: the script again with {best['change']} (closing the loop)")
     run, why = whatif.rerun(target, argv, module, steps, best["setting"])
-    measured = report.verdict().evidence["samples_per_s"]
+    measured = verdict.evidence["samples_per_s"]
     if run is None:
         skipped["closing"] = f"with {best['change']}: {why}"
         return report
@@ -104,5 +105,6 @@ def main(args) -> int:
         paths = report.save(args.out)
         for kind, path in paths.items():
             _say(f"{kind}: {path}")
-    print(json.dumps(report.to_dict(), indent=2, default=str) if args.json else report.summary())
+    d = report.to_dict()
+    print(json.dumps(d, indent=2, default=str) if args.json else report.summary(d))
     return 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, field
 
+from ..stats import quantile
 from .timeline import LoaderRecord, Timeline
 
 
@@ -15,11 +16,9 @@ def _mean(values) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def quantile(values, q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def ms(seconds) -> str:
+    """Seconds as text in milliseconds, for reports ("-" when unknown)."""
+    return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
 
 
 def cv(values) -> float | None:

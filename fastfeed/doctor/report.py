@@ -24,11 +24,12 @@ JSON schema (``report.json``, ``"schema": "fastfeed.doctor/1"``), top-level keys
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
-import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
+from .._atomic import write_atomic
+from .evidence import ms as _ms
 from .timeline import Timeline
 from .verdict import Verdict, diagnose
 
@@ -90,9 +91,9 @@ class Report:
             "fastfeed": __version__,
         }  # fmt: skip
 
-    def summary(self) -> str:
-        """The text report; its first line is the verdict."""
-        d = self.to_dict()
+    def summary(self, d: dict | None = None) -> str:
+        """The text report; its first line is the verdict. ``d``: ``to_dict()``, when the caller has it already."""
+        d = d or self.to_dict()
         s, sysf = d["steps"], d["system"]
         lines = [d["verdict"]["line"]]
         ld = d["loader"]
@@ -106,8 +107,8 @@ class Report:
         if w["busy"]:
             lines.append("workers: busy " + " ".join(f"{b:.0%}" for b in w["busy"]) + f", {_ms(w['batch_s'])} per batch"
                          + ("" if w["cpu"] is None else f", {w['cpu']:.2f} CPU cores each"))
-        lines.append(f"machine: {sysf['cpus']} CPUs {_pct(sysf.get('cpu_busy'))} busy, iowait {_pct(sysf.get('iowait'))},"
-                     f" io pressure {_pct(sysf.get('psi_io'))}, disk {_num(sysf.get('disk_read_mbps'))} MB/s; GPU "
+        lines.append(f"machine: {sysf['cpus']} CPUs {_pct(sysf.get('cpu_busy'))} busy, "
+                     f"iowait {_pct(sysf.get('iowait'))}, io pressure {_pct(sysf.get('psi_io'))}, disk {_num(sysf.get('disk_read_mbps'))} MB/s; GPU "
                      + (f"{_pct(sysf.get('gpu_util'))} busy" if sysf.get("gpu") else "none (NVML unavailable)"))
         if d["periodic"]:
             p = d["periodic"]
@@ -120,8 +121,8 @@ class Report:
             lines.append(f"  {i}. {q['question']} {_fmt(q['value'], q['unit'])} ({q['how']})")
         lines.append("advice:" if d["advice"] else "advice: none; the input pipeline is not what holds this loop back")
         for a in d["advice"]:
-            gain = "" if a["predicted_gain"] is None else f" -> predicted {a['predicted_samples_per_s']:.1f} samples/s " \
-                                                          f"({a['predicted_gain']:.2f}x)"
+            gain = "" if a["predicted_gain"] is None else \
+                f" -> predicted {a['predicted_samples_per_s']:.1f} samples/s ({a['predicted_gain']:.2f}x)"
             lines.append(f"  - {a['change']}{gain}: {a['why']}")
         if d["whatif"]:
             lines.append("what-if runs (samples/s):")
@@ -156,9 +157,10 @@ class Report:
         out.mkdir(parents=True, exist_ok=True)
         d = self.to_dict()
         paths = {"json": out / "report.json", "text": out / "report.txt", "timeline": out / "timeline.json"}
-        _write(paths["json"], json.dumps(d, indent=2, default=str))
-        _write(paths["text"], self.summary() + "\n")
-        _write(paths["timeline"], json.dumps(self.timeline.to_dict()))
+        # Readable as the PNG and the trace are: a report is made to be shared.
+        write_atomic(paths["json"], json.dumps(d, indent=2, default=str), mode=0o644)
+        write_atomic(paths["text"], self.summary(d), "\n", mode=0o644)
+        write_atomic(paths["timeline"], json.dumps(self.timeline.to_dict()), mode=0o644)
         if trace:
             paths["trace"] = tracing.write_trace(self.timeline, out / "trace.json")
         if plot:
@@ -167,16 +169,6 @@ class Report:
             except ImportError as e:
                 paths["png"] = str(e)
         return paths
-
-
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _ms(x) -> str:
-    return "-" if x is None else f"{x * 1e3:.1f} ms"
 
 
 def _pct(x) -> str:

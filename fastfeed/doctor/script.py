@@ -14,7 +14,8 @@ class ScriptFailed(RuntimeError):
     """The script raised before the doctor had any batch to look at."""
 
 
-def run(target: str, argv: list[str], module: bool = False, **watch_kwargs) -> tuple[Report, Watch, BaseException | None]:
+def run(target: str, argv: list[str], module: bool = False,
+        **watch_kwargs) -> tuple[Report, Watch, BaseException | None]:  # fmt: skip
     """Run ``target`` with ``argv`` under ``Watch(**watch_kwargs)``, in this process.
 
     Returns the report, the watch (its hooks still hold the loaders, for the input-ceiling run) and the

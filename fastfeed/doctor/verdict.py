@@ -13,7 +13,8 @@ import statistics
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from .evidence import Evidence, cv, gather, pearson, quantile
+from ..stats import quantile
+from .evidence import Evidence, cv, gather, ms, pearson
 from .timeline import Timeline
 
 HIGHLY, MODERATELY = 0.20, 0.05
@@ -166,7 +167,7 @@ def questions(tl: Timeline, ev: Evidence, whatif: dict, events: list[int]) -> li
     out.append(("Do the idle gaps shrink with synthetic input?", gain, "x",
                 ("measured" if measured else "estimated from the step times") + ": rate with free input / rate now"))
     out.append(("Are there host-side stalls before kernel launches?", ev.stall_fraction, "share",
-                f"share of the loop spent waiting for a batch (p95 wait {_ms(quantile(ev.waits, 0.95))})"))
+                f"share of the loop spent waiting for a batch (p95 wait {ms(quantile(ev.waits, 0.95))})"))
     if ev.fetch:
         out.append(("Is storage access uneven from step to step?", cv(ev.fetch), "cv",
                     "coefficient of variation of the workers' per-batch fetch time"))
@@ -180,10 +181,6 @@ def questions(tl: Timeline, ev: Evidence, whatif: dict, events: list[int]) -> li
                 "median step time" + (f", GPU busy {ev.system['gpu_util']:.0%}" if ev.system.get("gpu_util")
                                       is not None else "")))  # fmt: skip
     return [{"question": q, "value": v, "unit": u, "how": how} for q, v, u, how in out]
-
-
-def _ms(x) -> str:
-    return "-" if x is None else f"{x * 1e3:.1f} ms"
 
 
 def advise(ev: Evidence, bottleneck: str, cause: str | None, whatif: dict, per: dict | None) -> list[dict]:
@@ -209,7 +206,7 @@ def advise(ev: Evidence, bottleneck: str, cause: str | None, whatif: dict, per: 
             cap = ev.cpus if cause == "workers" else 4 * ev.cpus  # blocked workers need no core of their own
             k = min(want, max(cap, nw + 1))
             predicted = min(ceiling, k / t, now * k / max(nw, 1)) if nw else min(ceiling, k / t)
-            why = (f"each worker makes a batch in {_ms(t)}, so {k} make {k / t:.1f}/s; the step alone runs "
+            why = (f"each worker makes a batch in {ms(t)}, so {k} make {k / t:.1f}/s; the step alone runs "
                    f"{ceiling:.1f} batches/s")
             if cause == "io":
                 why += "; the workers spend most of that waiting (reads), not computing, so more of them overlap it"
@@ -226,7 +223,7 @@ def advise(ev: Evidence, bottleneck: str, cause: str | None, whatif: dict, per: 
         if ev.first_wait_s >= 0.05 * ev.loop_s:
             saved = ev.loop_s - (ev.epochs - 1) * startup
             item("persistent_workers=True", {"persistent_workers": True},
-                 f"each epoch waits {_ms(startup)} for its first batch while new workers start",
+                 f"each epoch waits {ms(startup)} for its first batch while new workers start",
                  ev.batches / saved if saved > 0 else None)
     if per and per.get("bursts") and bottleneck == "input" and (loader.prefetch_factor or 2) < 4:
         item("prefetch_factor=4", {"prefetch_factor": 4},
@@ -247,7 +244,7 @@ def advise(ev: Evidence, bottleneck: str, cause: str | None, whatif: dict, per: 
              f"the host is busy {ev.system.get('main_cpu', 0):.0%} launching while the GPU idles", None)
     if bottleneck == "input" and cause == "transfer":
         item("pin_memory=True, or device='cuda' (fastfeed's copy stage overlaps the copy)", None,
-             f"host-to-device copies take {_ms(ev.h2d_p50_s)} of a {_ms(quantile(ev.waits, 0.5))} wait", None)
+             f"host-to-device copies take {ms(ev.h2d_p50_s)} of a {ms(quantile(ev.waits, 0.5))} wait", None)
     if bottleneck == "input" and cause == "numa":
         item("numa='auto' (fastfeed places workers and memory on the GPU's node)", None,
              "workers or their memory are on another NUMA node than the GPU", None)

@@ -11,8 +11,8 @@ starts with a header line naming its source, its size, the source's version (siz
 ETag) and when that version was last checked; an entry whose version no longer matches is refetched, and one
 whose body is not the size its header says is ignored. Checking a local source's version is a ``stat``, done on
 every read; checking a remote one is a request, as slow as the read it saves, so a remote entry is trusted for
-``max_age`` seconds after it was fetched or last checked (as an HTTP cache trusts ``max-age``). The bytes admitted are counted in a shared file under ``flock``, so all processes together stay
-within the limit.
+``max_age`` seconds after it was fetched or last checked (as an HTTP cache trusts ``max-age``). The bytes
+admitted are counted in a shared file under ``flock``, so all processes together stay within the limit.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import json
 import os
 import time
 from pathlib import Path
+
+from .._atomic import write_atomic
 
 MAGIC = b"FFC1 "
 _USAGE = ".usage"
@@ -74,19 +76,8 @@ class Cache:
         if admit and (self._full or not self._admit(len(data))):
             return False
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        path = self._path(source)
         meta = {"source": source, "version": version, "bytes": len(data), "checked": time.time()}
-        header = MAGIC + json.dumps(meta).encode() + b"\n"
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(header)
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        write_atomic(self._path(source), MAGIC, json.dumps(meta), "\n", data)
         return True
 
     def _admit(self, nbytes: int) -> bool:

@@ -28,6 +28,7 @@ from .cache import Cache
 from .remote import Remote, is_url
 
 BACKOFF_S = 0.05  # the first retry's wait; it doubles with each further attempt
+_FINAL = (FileNotFoundError, PermissionError, IsADirectoryError)  # retrying will not make these readable
 
 
 class Files(Dataset):
@@ -132,30 +133,40 @@ class Files(Dataset):
         for attempt in range(self.retries + 1):
             try:
                 return self._read(source)
-            except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
-                raise type(e)(f"fastfeed.io.Files: sample {index}: cannot read {source}: {e}") from e
+            except _FINAL as e:
+                raise _unreadable(e, index, source) from e
             except Exception as e:  # noqa: BLE001 (any transient failure of a store is retried)
                 last = e
                 if attempt < self.retries:
                     time.sleep(BACKOFF_S * 2**attempt)
-        raise OSError(f"fastfeed.io.Files: sample {index}: reading {source} failed {self.retries + 1} time(s); "
-                      f"last error: {last!r}") from last  # fmt: skip
+        raise self._gave_up(index, source, last) from last
 
     async def _load_async(self, local: _Local, index: int, fs, source: str) -> bytes:
-        """``_load`` on an async filesystem's event loop, ``readahead`` at a time per process."""
+        """``_load`` on an async filesystem's event loop, ``readahead`` at a time per process (the same retries
+        and errors; only the waits are awaited)."""
         async with local.limit():
             last = None
             for attempt in range(self.retries + 1):
                 try:
                     return await self._read_async(fs, source)
-                except (FileNotFoundError, PermissionError) as e:
-                    raise type(e)(f"fastfeed.io.Files: sample {index}: cannot read {source}: {e}") from e
+                except _FINAL as e:
+                    raise _unreadable(e, index, source) from e
                 except Exception as e:  # noqa: BLE001 (any transient failure of a store is retried)
                     last = e
                     if attempt < self.retries:
                         await asyncio.sleep(BACKOFF_S * 2**attempt)
-        raise OSError(f"fastfeed.io.Files: sample {index}: reading {source} failed {self.retries + 1} time(s); "
-                      f"last error: {last!r}") from last  # fmt: skip
+        raise self._gave_up(index, source, last) from last
+
+    def _gave_up(self, index: int, source: str, last: BaseException | None) -> OSError:
+        return OSError(f"fastfeed.io.Files: sample {index}: reading {source} failed {self.retries + 1} time(s); "
+                       f"last error: {last!r}")  # fmt: skip
+
+    def _cached(self, source: str, version, remote: bool) -> bytes | None:
+        """The cache's copy of ``source`` at ``version`` (a remote entry's check is recorded), or None."""
+        hit = self.cache.get(source, version)
+        if hit is not None and remote:
+            self.cache.put(source, version, hit, admit=False)  # checked now
+        return hit
 
     async def _read_async(self, fs, source: str) -> bytes:
         version = None
@@ -164,9 +175,8 @@ class Files(Dataset):
             if hit is not None:
                 return hit
             version = await self.remote.version_async(fs, source)
-            hit = self.cache.get(source, version)
+            hit = self._cached(source, version, remote=True)
             if hit is not None:
-                self.cache.put(source, version, hit, admit=False)  # checked now
                 return hit
         data = await fs._cat_file(source)
         if self.cache is not None:
@@ -181,10 +191,8 @@ class Files(Dataset):
             if hit is not None:
                 return hit
             version = self.remote.version(source) if remote else _local_version(source)
-            hit = self.cache.get(source, version)
+            hit = self._cached(source, version, remote)
             if hit is not None:
-                if remote:
-                    self.cache.put(source, version, hit, admit=False)  # checked now
                 return hit
         data = self.remote.read(source) if remote else _read_local(source)
         if self.cache is not None:
@@ -209,6 +217,10 @@ class Files(Dataset):
             self.close()
         except Exception:  # noqa: BLE001 (interpreter shutdown)
             pass
+
+
+def _unreadable(error: OSError, index: int, source: str) -> OSError:
+    return type(error)(f"fastfeed.io.Files: sample {index}: cannot read {source}: {error}")
 
 
 def _advise(path: str) -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import tempfile
 from dataclasses import asdict, dataclass, field
+
+from .._atomic import write_atomic
 
 CONFIG_FORMAT = 1
 
@@ -150,18 +151,8 @@ class TuneResult:
 
 def write_json_atomic(path, data) -> None:
     """Write ``data`` as JSON to ``path`` through a temporary file and a rename: readers never see half."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".fastfeed-", suffix=".json", dir=folder)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_atomic(path, json.dumps(data, indent=2, sort_keys=True), "\n")
 
 
 def load_config(path) -> dict:
