@@ -206,7 +206,9 @@ class Stats:
         def ms(x):
             return "-" if x is None else f"{x * 1e3:.2f} ms"
 
-        busy = " ".join(f"{b:.0%}" for b in self.worker_busy) or "-"
+        # Without per-batch worker records (DALI's threads, torch's loaders under the doctor) there is no busy figure.
+        busy = " ".join(f"{b:.0%}" for b in self.worker_busy) if self.fetch_mean_s is not None else ""
+        busy = busy or "-"
         return (
             f"{self.batches} batches in {self.elapsed_s:.2f} s ({self.batches_per_s:.1f}/s), "
             f"num_workers={self.num_workers}, prefetch_factor={self.prefetch_factor}\n"

@@ -13,6 +13,7 @@ classes, installed for one watch and removed after it.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
 import os
 import sys
@@ -28,6 +29,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 from .. import stats
 from ..loader import DataLoader as FastLoader
 from .timeline import EpochRecord, LoaderRecord, WorkerRecord
+from .verdict import DALI_NAMES
 
 _MISSING = object()
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
@@ -64,13 +66,20 @@ class _Seen:
 
     def __init__(self, ident: int, loader, made_at: str) -> None:
         self.loader = loader
-        fast = isinstance(loader, FastLoader)
-        self.info = LoaderRecord(
-            id=ident, kind="fastfeed" if fast else "torch", made_at=made_at, num_workers=loader.num_workers,
-            prefetch_factor=loader.prefetch_factor, batch_size=loader.batch_size,
-            worker_type=getattr(loader, "worker_type", "process"), persistent_workers=loader.persistent_workers,
-            pin_memory=loader.pin_memory, prefetch=callable(getattr(loader.dataset, "prefetch", None)),
-        )  # fmt: skip
+        if _is_dali(loader):  # DALI's threads are its workers, and they persist across epochs
+            self.info = LoaderRecord(
+                id=ident, kind="dali", made_at=made_at, num_workers=loader.num_threads,
+                prefetch_factor=loader.prefetch_queue_depth, batch_size=loader.batch_size, worker_type="dali",
+                persistent_workers=True, pin_memory=False, prefetch=False,
+            )  # fmt: skip
+        else:
+            fast = isinstance(loader, FastLoader)
+            self.info = LoaderRecord(
+                id=ident, kind="fastfeed" if fast else "torch", made_at=made_at, num_workers=loader.num_workers,
+                prefetch_factor=loader.prefetch_factor, batch_size=loader.batch_size,
+                worker_type=getattr(loader, "worker_type", "process"), persistent_workers=loader.persistent_workers,
+                pin_memory=loader.pin_memory, prefetch=callable(getattr(loader.dataset, "prefetch", None)),
+            )  # fmt: skip
         self.epochs: list[_Epoch] = []
 
     def record(self) -> LoaderRecord:
@@ -164,7 +173,7 @@ class Hooks:
         setattr(owner, name, value)
 
     def install(self) -> Hooks:
-        for cls in (TorchLoader, FastLoader):
+        for cls in (TorchLoader, FastLoader, *_dali_loader()):
             self._patch(cls, "__init__", self._init_hook(cls.__dict__["__init__"]))
             self._patch(cls, "__iter__", self._iter_hook(cls.__dict__["__iter__"]))
         if torch.distributed.is_available():
@@ -207,7 +216,9 @@ class Hooks:
                 # fastfeed's __init__ with the same arguments. Subclasses of torch's loader are left as they are.
                 loader.__class__ = FastLoader
                 target = FastLoader.__init__.__wrapped__
-            if hooks.overrides:
+            if hooks.overrides and _is_dali(loader):
+                kwargs = _dali_override(kwargs, hooks.overrides)
+            elif hooks.overrides:
                 args, kwargs = _override(args, kwargs, hooks.overrides)
             return hooks._nested(target, loader, *args, **kwargs)
 
@@ -259,7 +270,7 @@ class Hooks:
     def _adopt(self, loader, it):
         """Record ``it``'s batches: through fastfeed's own recorder, or one fed from torch's ``_next_data``."""
         seen = self._seen(loader)
-        rec = loader._ff_stats if isinstance(loader, FastLoader) else None
+        rec = loader._ff_stats if isinstance(loader, FastLoader) or _is_dali(loader) else None
         if rec is not None:
             self._counted(rec)
             seen.epochs.append(_Epoch(rec, it, ready_known=True))
@@ -356,6 +367,27 @@ class _Timed:
 
 
 _TORCH_ARGS = inspect.signature(TorchLoader.__init__)
+
+
+def _dali_loader() -> tuple:
+    """fastfeed's DALI loader class, when DALI is installed (importing it costs about a second, once)."""
+    if importlib.util.find_spec("nvidia.dali") is None:
+        return ()
+    try:
+        from ..dali.loader import DALILoader
+    except ImportError:  # a broken DALI install: its loaders cannot be made either
+        return ()
+    return (DALILoader,)
+
+
+def _is_dali(loader) -> bool:
+    dali = sys.modules.get("fastfeed.dali.loader")
+    return dali is not None and isinstance(loader, dali.DALILoader)
+
+
+def _dali_override(kwargs: dict, overrides: dict) -> dict:
+    """A DALILoader's arguments with the DataLoader overrides that have a DALI meaning (threads, queue depth)."""
+    return {**kwargs, **{DALI_NAMES[k]: v for k, v in overrides.items() if k in DALI_NAMES}}
 
 
 def _override(args: tuple, kwargs: dict, overrides: dict) -> tuple[tuple, dict]:

@@ -98,13 +98,18 @@ class Report:
         lines = [d["verdict"]["line"]]
         ld = d["loader"]
         if ld:
-            lines.append(f"loader: {ld['kind']} DataLoader made at {ld['made_at']}, num_workers={ld['num_workers']}, "
-                         f"prefetch_factor={ld['prefetch_factor']}, batch_size={ld['batch_size']}")
+            if ld["kind"] == "dali":
+                lines.append(f"loader: DALILoader made at {ld['made_at']}, num_threads={ld['num_workers']}, "
+                             f"prefetch_queue_depth={ld['prefetch_factor']}, batch_size={ld['batch_size']}")
+            else:
+                lines.append(f"loader: {ld['kind']} DataLoader made at {ld['made_at']}, "
+                             f"num_workers={ld['num_workers']}, prefetch_factor={ld['prefetch_factor']}, "
+                             f"batch_size={ld['batch_size']}")
         lines.append(f"measured: {s['batches']} batches in {s['epochs']} epoch(s), {s['samples_per_s']:.1f} samples/s; "
                      f"wait p50 {_ms(s['wait_p50_s'])} p95 {_ms(s['wait_p95_s'])}; step p50 {_ms(s['step_p50_s'])} "
                      f"p95 {_ms(s['step_p95_s'])}; first batches {_ms(s['first_wait_s'])}")
         w = d["workers"]
-        if w["busy"]:
+        if w["busy"] and w["batch_s"] is not None:
             lines.append("workers: busy " + " ".join(f"{b:.0%}" for b in w["busy"]) + f", {_ms(w['batch_s'])} per batch"
                          + ("" if w["cpu"] is None else f", {w['cpu']:.2f} CPU cores each"))
         lines.append(f"machine: {sysf['cpus']} CPUs {_pct(sysf.get('cpu_busy'))} busy, "

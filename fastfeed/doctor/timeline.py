@@ -49,7 +49,7 @@ class LoaderRecord:
     """A loader the script iterated: what it was and where it was made, and one record per epoch."""
 
     id: int
-    kind: str  # "fastfeed" or "torch"
+    kind: str  # "fastfeed", "torch" or "dali"
     made_at: str  # file:line of the DataLoader(...) call
     num_workers: int
     prefetch_factor: int | None

@@ -183,6 +183,9 @@ def questions(tl: Timeline, ev: Evidence, whatif: dict, events: list[int]) -> li
     return [{"question": q, "value": v, "unit": u, "how": how} for q, v, u, how in out]
 
 
+DALI_NAMES = {"num_workers": "num_threads", "prefetch_factor": "prefetch_queue_depth"}  # a DALI loader's knobs
+
+
 def advise(ev: Evidence, bottleneck: str, cause: str | None, whatif: dict, per: dict | None) -> list[dict]:
     """Settings to change, each with its predicted effect, from measured rates."""
     advice = []
@@ -199,6 +202,12 @@ def advise(ev: Evidence, bottleneck: str, cause: str | None, whatif: dict, per: 
                        "predicted_gain": None if predicted is None else predicted / now})  # fmt: skip
 
     nw = loader.num_workers
+
+    names = DALI_NAMES if loader.kind == "dali" else {}
+
+    def knob(name: str) -> str:
+        return names.get(name, name)
+
     t = _per_worker_s(ev, whatif)
     if bottleneck == "input" and cause in ("workers", "io") and ev.steady_stall_fraction >= MODERATELY and t:
         want = math.ceil(min(ceiling, 1e6) * t * 1.1)  # workers to make batches as fast as the step takes them
@@ -210,7 +219,7 @@ def advise(ev: Evidence, bottleneck: str, cause: str | None, whatif: dict, per: 
                    f"{ceiling:.1f} batches/s")
             if cause == "io":
                 why += "; the workers spend most of that waiting (reads), not computing, so more of them overlap it"
-            item(f"num_workers={k}", {"num_workers": k}, why, predicted)
+            item(f"{knob('num_workers')}={k}", {"num_workers": k}, why, predicted)
     if bottleneck == "input" and cause == "io" and not loader.prefetch:
         item("read ahead: give the dataset prefetch(indices) (fastfeed.io.Files has it)", None,
              "the workers wait on reads one at a time; with read-ahead each keeps many in flight while it decodes",
@@ -226,7 +235,7 @@ def advise(ev: Evidence, bottleneck: str, cause: str | None, whatif: dict, per: 
                  f"each epoch waits {ms(startup)} for its first batch while new workers start",
                  ev.batches / saved if saved > 0 else None)
     if per and per.get("bursts") and bottleneck == "input" and (loader.prefetch_factor or 2) < 4:
-        item("prefetch_factor=4", {"prefetch_factor": 4},
+        item(f"{knob('prefetch_factor')}=4", {"prefetch_factor": 4},
              f"stalls come every {per['period']} batches, when the {nw} workers finish together", None)
     fastfeed = whatif.get("input_ceiling_fastfeed")
     torch_in = whatif.get("input_ceiling")

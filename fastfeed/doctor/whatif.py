@@ -53,18 +53,28 @@ def rerun(target: str, argv: list[str], module: bool, steps: int, setting: dict)
 
 
 def input_ceiling(loader, steps: int, seconds: float = SECONDS) -> dict | None:
-    """The loader alone: one epoch (up to ``steps`` batches, ``seconds``), nothing done with the batches."""
+    """The loader alone: one epoch (up to ``steps`` batches, ``seconds``), nothing done with the batches.
+
+    A DALI loader's threads persist, so it goes on from where the watch stopped, across epochs, for the
+    whole budget: reading the rest of an interrupted epoch first would measure nothing."""
+    carry_on = getattr(loader, "_continue_epoch", None)
+    if carry_on is not None:
+        carry_on()
     batches, t0 = 0, time.perf_counter()
-    it = iter(loader)
     try:
-        for _ in it:
-            batches += 1
-            if batches >= steps or time.perf_counter() - t0 > seconds:
+        while True:
+            more = batches
+            it = iter(loader)
+            for _ in it:
+                batches += 1
+                if batches >= steps or time.perf_counter() - t0 > seconds:
+                    break
+            del it
+            if carry_on is None or batches == more or batches >= steps or time.perf_counter() - t0 > seconds:
                 break
+        elapsed = time.perf_counter() - t0
     finally:
-        del it
         gc.collect()
-    elapsed = time.perf_counter() - t0
     if batches == 0:
         return None
     bs = loader.batch_size or 1

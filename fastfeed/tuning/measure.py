@@ -95,6 +95,10 @@ def loader_args(base: dict, setting: Setting) -> dict:
 
 def close(loader) -> None:
     """Stop a trial loader's workers and free its ring now, not at garbage collection."""
+    own = getattr(loader, "close", None)
+    if own is not None:  # a loader that knows how (DALI's)
+        own()
+        return
     it = loader._iterator
     loader._iterator = None
     if it is not None:
@@ -116,15 +120,22 @@ def run(loader_cls, dataset, base: dict, setting: Setting, step, *, tolerance: f
             measured so far, or is None.
         Whatever the loader or ``step`` raise, after the loader's workers are stopped.
     """
-    started = time.monotonic()
     kwargs = loader_args(base, setting)
     if setting.num_workers > 0:
         kwargs["persistent_workers"] = True  # windows reuse the workers, across epoch ends too
+    return run_made(lambda: loader_cls(dataset, **kwargs), setting, step, tolerance=tolerance, deadline=deadline,
+                    window_s=window_s, first=first)  # fmt: skip
+
+
+def run_made(make: Callable[[], Any], setting: Setting, step, *, tolerance: float, deadline: float,
+             window_s: float = WINDOW_S, first: bool = False) -> Trial:  # fmt: skip
+    """``run`` for a loader that ``make()`` builds for ``setting`` (a DALI pipeline's, say)."""
+    started = time.monotonic()
     trial = Trial(setting)
     with warnings.catch_warnings():
         # Settings above the cores are tried on purpose: torch's warning about them is noise here.
         warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
-        loader = loader_cls(dataset, **kwargs)
+        loader = make()
         return _run(loader, trial, step, tolerance, deadline, window_s, first, started)
 
 
@@ -159,7 +170,7 @@ def _windows(loader, trial: Trial, step, tolerance: float, deadline: float, wind
         waits, steps = waits + wait, steps + stepped
     trial.stall_fraction = waits / (waits + steps) if waits + steps > 0 else 0.0
     trial.load_s = load_seconds(loader.stats())
-    it = loader._iterator
+    it = getattr(loader, "_iterator", None)
     if it is not None and not it._threads:
         trial.worker_bytes = private_bytes(it._pool.pids)
 

@@ -171,29 +171,47 @@ def tune(dataset, *, step=None, budget_s: float = 60, max_workers: int | None = 
     budget.batch_bytes = measure.probe_batch_bytes(DataLoader, dataset, loader_kwargs)
     search = Search(max_workers=max_workers, tolerance=tolerance, worker_types=types,
                     min_workers=min_workers_for(loader_kwargs), fits=budget, tight=budget.tight)  # fmt: skip
-    converged = True
+
+    def trial_of(setting: Setting, first: bool) -> Trial:
+        return measure.run(DataLoader, dataset, loader_kwargs, setting, step, tolerance=tolerance, deadline=deadline,
+                           first=first)  # fmt: skip
+
+    converged = drive(search, trial_of, on_trial, budget.learn)
+    result = finish(search, converged, started, budget_s, loader_kwargs.get("batch_size", 1))
+    return agree.same_on_all_ranks(result, agree.tag_for("tune", dataset, loader_kwargs))
+
+
+def drive(search: Search, trial_of: Callable[[Setting, bool], Trial], on_trial=None, learn=None) -> bool:
+    """Measure what ``search`` proposes until it is done (True) or the budget runs out (False).
+
+    ``trial_of(setting, first)`` measures one setting and raises ``measure.OutOfTime`` past the deadline.
+    """
     while (setting := search.propose()) is not None:
         try:
-            trial = measure.run(DataLoader, dataset, loader_kwargs, setting, step, tolerance=tolerance,
-                                deadline=deadline, first=not search.order)  # fmt: skip
+            trial = trial_of(setting, not search.order)
         except measure.OutOfTime as out:
             if out.trial is not None:
                 search.report(out.trial)
                 if on_trial is not None:
                     on_trial(out.trial, search.trials.get(search.choice()))
-            converged = False
-            break
-        budget.learn(trial)
+            return False
+        if learn is not None:
+            learn(trial)
         search.report(trial)
         if on_trial is not None:
             chosen = search.choice()
             on_trial(trial, search.trials.get(chosen) if chosen else None)
-    result = _result(search, converged, time.monotonic() - started, loader_kwargs.get("batch_size", 1))
+    return True
+
+
+def finish(search: Search, converged: bool, started: float, budget_s: float, batch_size) -> TuneResult:
+    """The result of a search, with a warning when the budget cut it short."""
+    result = _result(search, converged, time.monotonic() - started, batch_size)
     if not converged:
         warnings.warn(f"fastfeed.tune: the budget of {budget_s} s ran out after {len(search.order)} trials; "
                       f"returning the best so far ({result.setting}). Raise budget_s to finish the search.",
-                      RuntimeWarning, stacklevel=2)  # fmt: skip
-    return agree.same_on_all_ranks(result, agree.tag_for("tune", dataset, loader_kwargs))
+                      RuntimeWarning, stacklevel=3)  # fmt: skip
+    return result
 
 
 def _result(search: Search, converged: bool, elapsed: float, batch_size) -> TuneResult:
