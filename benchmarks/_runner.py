@@ -77,9 +77,12 @@ class Comparison:
         bars: Figure -> ``(">=" or "<=", ratio)`` the brief sets for this comparison.
         candidate_tag: Appended to the candidate's printed name (``"process"``: ``fastfeed-process``).
         variants: More candidate sides, run in the same rounds: tag -> candidate kwargs (on top of
-            the workload's). Variant ``v`` is summarized against the baseline, under the key
+            the workload's), or tag -> ``(factory, kwargs)`` for a side whose loader is not the
+            candidate class but ``factory(dataset, **kwargs)`` (jpeg.py's DALI side: a pipeline,
+            not a ``DataLoader``). Variant ``v`` is summarized against the baseline, under the key
             ``"<workload> <label> <v>"``, and against the candidate, under
             ``"<workload> <label> <v>/<candidate_tag or 'candidate'>"``.
+        variant_bars: Variant tag -> bars, as ``bars``, for that variant against the baseline.
         epoch_batches: 0: a trial is one iterator over warm-up, timed and memory batches (steady
             state). N > 0: epoch mode, a trial is whole epochs of N batches of one loader (see
             :func:`run_epochs`); ``warmup`` is then unused (epoch 1 is the warm-up) and ``batches``
@@ -98,6 +101,7 @@ class Comparison:
     bars: dict = field(default_factory=dict)
     candidate_tag: str = ""
     variants: dict = field(default_factory=dict)
+    variant_bars: dict = field(default_factory=dict)
     epoch_batches: int = 0
     prime: bool = True
 
@@ -553,7 +557,8 @@ def compare(comp: Comparison, candidate: type, baseline: type = TorchDataLoader,
     for tag, own in comp.variants.items():
         if tag in sides:
             raise ValueError(f"a variant may not be named {tag!r}")
-        sides[tag] = (candidate, _kwargs(comp, own, mp_context), _tagged(names[0], tag))
+        factory, own = own if isinstance(own, tuple) else (candidate, own)
+        sides[tag] = (factory, _kwargs(comp, own, mp_context), _tagged(names[0], tag))
     for cls, kwargs, _ in sides.values() if comp.prime else ():
         run_trial(cls, comp.workload, kwargs, warmup=1, batches=1)
     n = comp.epoch_batches
@@ -600,12 +605,13 @@ def summarize(comp: Comparison, records: list[dict], num: str = "candidate", den
     Returns:
         Figure -> ``{median, min, max, candidate, baseline, unit}`` (candidate and baseline are
         medians of absolute values in ``unit``, of ``num`` and ``den``), plus ``bar`` and
-        ``meets_bar`` where one is set (bars are for candidate/baseline only).
+        ``meets_bar`` where one is set (``comp.bars`` for candidate/baseline, ``comp.variant_bars``
+        for a variant/baseline; none against the candidate).
     """
     rounds: dict[int, dict[str, dict]] = {}
     for rec in records:
         rounds.setdefault(rec["round"], {})[rec["role"]] = rec
-    bars = comp.bars if (num, den) == ("candidate", "baseline") else {}
+    bars = {} if den != "baseline" else comp.bars if num == "candidate" else comp.variant_bars.get(num, {})
     out: dict[str, Any] = {}
     for fig, (key, scale, unit, floor) in _figures(comp.workload.unit).items():
         pairs = [(r[num][key], r[den][key]) for r in rounds.values()
@@ -652,6 +658,13 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
+def _json_name(obj: Any) -> str:
+    """A variant's loader factory in ``params``: its qualified name (a function is not JSON)."""
+    if callable(obj) and hasattr(obj, "__qualname__"):
+        return f"{obj.__module__}.{obj.__qualname__}"
+    raise TypeError(f"{type(obj).__name__} is not JSON serializable")
+
+
 def write_results(script: str, result: dict, out_dir: Path) -> tuple[Path, Path]:
     """Write ``result`` to ``<out_dir>/<script>-<timestamp>.json`` and its trial records to ``.csv``."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -661,7 +674,7 @@ def write_results(script: str, result: dict, out_dir: Path) -> tuple[Path, Path]
         n += 1
         stem = f"{script}-{time.strftime('%Y%m%d-%H%M%S')}-{n}"
     json_path, csv_path = out_dir / f"{stem}.json", out_dir / f"{stem}.csv"
-    json_path.write_text(json.dumps(result, indent=1) + "\n")
+    json_path.write_text(json.dumps(result, indent=1, default=_json_name) + "\n")
     with csv_path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(result["rounds"][0]))
         writer.writeheader()

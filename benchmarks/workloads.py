@@ -443,3 +443,64 @@ def jpeg(files: int = JPEG_FILES, seed: int = 0) -> Workload:
             "dtype": "uint8", "batch_size": BATCH_SIZE, "decoder": "PIL",
         },
     )
+
+
+# --- jpeg through DALI: the same files, crop and flip, in fastfeed.dali's DALILoader ----------
+
+
+def _dali_jpeg_pipeline():
+    """The DALI pipeline of the jpeg workload, defined on first use: DALI is a benchmark option only.
+
+    The same crop and flip as :class:`JpegDataset`, decoded more cleverly: ``fn.decoders.image_crop``
+    decodes only the crop's region where the format allows (libjpeg-turbo's ROI decoding on the CPU,
+    nvJPEG's with the ``"mixed"`` decoder), where PIL decodes the whole image and then crops it. On
+    the CPU the pixels are PIL's: a crop at the same corner is bit-identical (tests/test_benchmarks.py
+    checks it). ``crop_pos_x`` and ``crop_pos_y`` uniform on [0, 1] put the corner at
+    ``round(pos * (size - crop))``, uniform over the valid corners as ``torch.randint(0, size - crop
+    + 1)`` is, except that rounding makes the first and last corner half as likely. The flip is a coin
+    of p=0.5; ``crop_mirror_normalize`` with ``dtype=UINT8`` and no mean or std only flips and
+    transposes HWC to CHW.
+    """
+    from nvidia.dali import fn, pipeline_def, types
+
+    @pipeline_def
+    def jpeg_pipeline(files, crop, decoder, shard_id=0, num_shards=1, pad_last_batch=True):
+        jpegs, _ = fn.readers.file(files=files, name="Reader", random_shuffle=False, shard_id=shard_id,
+                                   num_shards=num_shards, pad_last_batch=pad_last_batch)  # fmt: skip
+        images = fn.decoders.image_crop(jpegs, device=decoder, output_type=types.RGB, crop=(crop, crop),
+                                        crop_pos_x=fn.random.uniform(range=[0.0, 1.0]),
+                                        crop_pos_y=fn.random.uniform(range=[0.0, 1.0]))  # fmt: skip
+        mirror = fn.random.coin_flip(probability=0.5)
+        return fn.crop_mirror_normalize(images, dtype=types.UINT8, output_layout="CHW", mirror=mirror)
+
+    return jpeg_pipeline
+
+
+def dali_jpeg_loader(dataset: JpegDataset, *, batch_size: int, num_workers: int, device: str | None = None,
+                     multiprocessing_context: Any = None) -> Any:
+    """The jpeg workload's ``dataset`` as a ``fastfeed.dali.DALILoader``: DALI's threads decode, crop and flip.
+
+    The loader reads the dataset's items, file ``i % len(paths)`` for item ``i``, in order, as
+    torch's sequential sampler reads them: the reader does not shuffle (its shuffle buffer would
+    also hold ~1,024 encoded files, ~58 MB, that the other sides do not). One epoch is
+    ``len(dataset)`` items, so a trial's single iterator never reaches an epoch's end. Batches are
+    1-tuples ``(images,)``, uint8 ``(batch_size, 3, 224, 224)`` as the torch side's.
+
+    Args:
+        dataset: A :class:`JpegDataset` (its paths, length and crop are used, not its ``__getitem__``).
+        batch_size: Images per batch.
+        num_workers: DALI's ``num_threads``: the same CPU budget as that many worker processes.
+        device: None or ``"cpu"``: decoded on the CPU (libjpeg-turbo), batches on the CPU; ``"cuda:N"``:
+            decoded with nvJPEG (DALI's ``"mixed"`` decoder) on GPU N, batches there.
+        multiprocessing_context: Unused (DALI's workers are threads); taken so the runner's kwargs fit.
+
+    Returns:
+        The loader (its pipeline is built on the first ``iter`` or ``len``).
+    """
+    from fastfeed.dali import DALILoader
+
+    gpu = device is not None and str(device).startswith("cuda")
+    files = [dataset.paths[i % len(dataset.paths)] for i in range(len(dataset))]
+    return DALILoader(_dali_jpeg_pipeline(), ("images",), batch_size=batch_size, num_threads=num_workers,
+                      prefetch_queue_depth=2, device=device, files=files, crop=dataset.crop,
+                      decoder="mixed" if gpu else "cpu")  # fmt: skip

@@ -194,26 +194,91 @@ def test_startup_spawn(tmp_path, bench_env):
     assert result["params"]["mp_context"] == "spawn" and result["params"]["rounds"] == 1
 
 
+def _dali_importable() -> bool:
+    probe = subprocess.run([sys.executable, "-c", "import fastfeed.dali"], cwd=REPO, capture_output=True)
+    return probe.returncode == 0
+
+
 def test_jpeg(tmp_path, bench_env):
-    """jpeg.py runs fastfeed's worker processes and threads against torch's processes in the same rounds."""
+    """jpeg.py runs fastfeed's worker processes, worker threads and DALI pipeline against torch's processes in the
+    same rounds (the DALI side only where NVIDIA DALI is installed)."""
     pytest.importorskip("PIL")
     result = run_quick("jpeg", tmp_path, bench_env)
     summary, rounds = result["summary"], result["params"]["rounds"]
-    if result["params"]["candidate"] == "torch*":  # no worker_type: the two process sides only
+    if result["params"]["candidate"] == "torch*":  # no worker_type, not fastfeed: the two process sides only
         assert set(summary) == {"jpeg nw=2"}
         assert len(result["rounds"]) == 2 * rounds
     else:
-        assert set(summary) == {"jpeg nw=2", "jpeg nw=2 thread", "jpeg nw=2 thread/process"}
-        assert len(result["rounds"]) == 3 * rounds
-        assert {r["loader"] for r in result["rounds"]} == {"fastfeed-process", "fastfeed-thread", "torch"}
-        # Every round runs all three sides, each first in a different round.
+        dali = _dali_importable()
+        tags = ("thread", "dali") if dali else ("thread",)
+        assert set(summary) == {"jpeg nw=2"} | {f"jpeg nw=2 {t}{vs}" for t in tags for vs in ("", "/process")}
+        assert len(result["rounds"]) == (2 + len(tags)) * rounds
+        loaders = {"fastfeed-process", "torch"} | {f"fastfeed-{t}" for t in tags}
+        assert {r["loader"] for r in result["rounds"]} == loaders
+        # Every round runs all sides, each first in a different round.
         assert sorted(r["role"] for r in result["rounds"] if r["position"] == 0) == ["baseline", "candidate"]
+        if dali:
+            check_dali_side(result)
     assert result["workload"]["jpeg"]["batch_size"] == 64
     assert summary["jpeg nw=2"]["peak_footprint"]["bar"] == "<=1.0"
     assert summary["jpeg nw=2"]["peak_footprint"]["candidate"] > 0
     for figures in summary.values():
         assert figures["throughput"]["unit"] == "batch/s"
         assert figures["throughput"]["median"] > 0 and figures["tree_cpu_s"]["median"] > 0
+
+
+def check_dali_side(result: dict) -> None:
+    """The DALI side: the issue's bar, whole batches, and all its work in the main process (DALI's threads)."""
+    summary = result["summary"]
+    assert summary["jpeg nw=2 dali"]["throughput"]["bar"] == ">=1.25"
+    assert "bar" not in summary["jpeg nw=2 dali/process"]["throughput"]
+    assert summary["jpeg nw=2 dali"]["peak_footprint"]["candidate"] > 0
+    for rec in (r for r in result["rounds"] if r["role"] == "dali"):
+        assert rec["num_workers"] == 2 and rec["bytes"] == rec["batches"] * 64 * 3 * 224 * 224
+        # No child process: getrusage(RUSAGE_SELF) and the process tree's /proc ticks see the same threads.
+        assert rec["peak_procs"] == 1
+        assert abs(rec["main_cpu_s"] - rec["tree_cpu_s"]) <= 0.05 + 0.1 * rec["tree_cpu_s"]
+
+
+def test_jpeg_dali_crops_are_pils():
+    """The DALI side's images are PIL's pixels: each a 224x224 window of the PIL-decoded file, flipped or not,
+    bit for bit; over 64 images the flips go both ways and the corners spread over the image."""
+    pytest.importorskip("PIL")
+    if not _dali_importable():
+        pytest.skip("fastfeed.dali does not import (NVIDIA DALI is not installed)")
+    import numpy as np
+    from PIL import Image
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        import workloads
+    finally:
+        sys.path.remove(str(BENCH))
+    paths = workloads.jpeg_files()[:4]
+    loader = workloads.dali_jpeg_loader(workloads.JpegDataset(64, paths), batch_size=64, num_workers=2)
+    (images,) = next(iter(loader))
+    loader.close()
+    assert images.shape == (64, 3, 224, 224) and images.dtype == __import__("torch").uint8
+    refs = [np.asarray(Image.open(p).convert("RGB")) for p in paths]
+    found = [_window(refs[k % 4], images[k].permute(1, 2, 0).numpy()) for k in range(64)]
+    assert None not in found
+    flips = {flip for _, _, flip in found}
+    ys, xs = [y for y, _, _ in found], [x for _, x, _ in found]
+    assert flips == {False, True} and min(xs) < 0.3 < 0.7 < max(xs) and min(ys) < 0.3 < 0.7 < max(ys)
+
+
+def _window(ref, crop):
+    """``(y, x, flipped)`` of the window of ``ref`` (HWC) that ``crop`` is, corners as fractions of their range."""
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    h, w = crop.shape[:2]
+    # (y, x, channel, 8): the first 8 pixels of every window's top row, to find the candidates fast
+    heads = sliding_window_view(ref[: ref.shape[0] - h + 1], 8, axis=1)[:, : ref.shape[1] - w + 1]
+    for flipped, img in ((False, crop), (True, crop[:, ::-1])):
+        for y, x in zip(*(heads == img[0, :8].T).all(axis=(2, 3)).nonzero()):
+            if (ref[y : y + h, x : x + w] == img).all():
+                return y / (ref.shape[0] - h), x / (ref.shape[1] - w), flipped
+    return None
 
 
 def test_prefetch(tmp_path, bench_env):
