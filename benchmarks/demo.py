@@ -23,9 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import _runner
-import overhead
-import transport
+from fastfeed.bench import runner as _runner
+from fastfeed.bench.suites import overhead, transport
 
 # Transport in steady state, as the README's table: --epoch-batches 60 runs its epochs instead.
 DEFAULTS = dict(rounds=5, epoch_batches=[0])

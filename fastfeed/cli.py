@@ -5,6 +5,7 @@ fastfeed info [--json]         the machine, this rank's placement plan, what is 
 fastfeed tune module:attr ...  measure loader settings for a dataset; print them, save the best (--out)
 fastfeed tune --show|--clear   list or empty the tuning cache
 fastfeed doctor SCRIPT [ARGS]  run a training script, say why the GPU idles, check the advice by measuring it
+fastfeed bench [WORKLOAD ...]  fastfeed against torch's DataLoader on standard workloads or your dataset
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 
 from . import config
 from ._ring import segments
+from .bench import cli as bench_cli
 from .doctor import cli as doctor_cli
 from .tuning import cli as tune_cli
 
@@ -46,6 +48,7 @@ def main(argv=None) -> int:
     p.set_defaults(run=_info)
     tune_cli.add_parser(sub)
     doctor_cli.add_parser(sub)
+    bench_cli.add_parser(sub)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -19,7 +19,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "benchmarks"
 FIGURES = {"throughput", "main_cpu_s", "tree_cpu_s", "peak_pss", "peak_pss_abs", "peak_footprint", "ttfb",
-           "ctor_ttfb", "ttfb_hot"}
+           "ctor_ttfb", "ttfb_hot", "stall"}
 STATS = {"median", "min", "max", "candidate", "baseline", "unit"}
 RECORD = {"workload", "comparison", "round", "position", "role", "loader", "num_workers", "ttfb_s",
           "batches_per_s", "bytes_per_s", "main_cpu_s", "tree_cpu_s", "pss_base_mb", "pss_peak_mb", "pss_delta_mb",
@@ -45,7 +45,7 @@ def run_quick(script: str, out: Path, env: dict, *extra: str) -> dict:
     (json_path,) = out.glob(f"{script}-*.json")
     (csv_path,) = out.glob(f"{script}-*.csv")
     result = json.loads(json_path.read_text())
-    assert set(result) == {"workload", "params", "rounds", "summary"}
+    assert set(result) == {"workload", "params", "rounds", "summary", "pairs"}
     with csv_path.open() as f:
         assert len(list(csv.DictReader(f))) == len(result["rounds"])
     for rec in result["rounds"]:
@@ -100,11 +100,7 @@ def test_transport_steady_state(tmp_path, bench_env):
 
 def test_pool_items_follow_llc(tmp_path):
     """The transport pool is 8x the LLC read from sysfs (the highest level, not an instruction cache), or 300 MB."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import workloads
-    finally:
-        sys.path.remove(str(BENCH))
+    from fastfeed.bench import workloads
     for index, (level, kind, size) in enumerate([(1, "Data", "48K"), (1, "Instruction", "32K"),
                                                   (2, "Unified", "1280K"), (3, "Unified", "49152K")]):
         d = tmp_path / f"index{index}"
@@ -249,11 +245,7 @@ def test_jpeg_dali_crops_are_pils():
     import numpy as np
     from PIL import Image
 
-    sys.path.insert(0, str(BENCH))
-    try:
-        import workloads
-    finally:
-        sys.path.remove(str(BENCH))
+    from fastfeed.bench import workloads
     paths = workloads.jpeg_files()[:4]
     loader = workloads.dali_jpeg_loader(workloads.JpegDataset(64, paths), batch_size=64, num_workers=2)
     (images,) = next(iter(loader))

@@ -1,4 +1,4 @@
-"""benchmarks/_http.py: the HTTP file server behind the storage tests and benchmarks/io.py, seen from fsspec."""
+"""fastfeed/bench/http.py: the HTTP file server behind the storage tests and benchmarks/io.py, seen from fsspec."""
 
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ from fsspec.asyn import sync
 from fsspec.exceptions import FSTimeoutError
 from fsspec.implementations.http import HTTPFileSystem
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from _http import FileServer, make_files, parse_range  # noqa: E402
+from fastfeed.bench.http import FileServer, make_files, parse_range
 
 N_FILES = 16
 FILE_SIZE = 20_000

@@ -1,4 +1,4 @@
-"""fastfeed.io.Files over HTTP: a real server on 127.0.0.1 (benchmarks/_http.py) with latency and faults, and
+"""fastfeed.io.Files over HTTP: a real server on 127.0.0.1 (fastfeed/bench/http.py) with latency and faults, and
 fsspec's HTTP filesystem as the client. Every test iterates through worker processes, so no fsspec event loop
 or connection outlives a test in this process."""
 
@@ -16,8 +16,7 @@ from torch.utils.data import Dataset
 import fastfeed
 from fastfeed.io import Files
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from _http import FileServer, make_files  # noqa: E402
+from fastfeed.bench.http import FileServer, make_files
 
 pytestmark = pytest.mark.fastfeed_only
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .._mpl import agg
 from .timeline import LoaderRecord, Timeline
 
 NEEDS_MATPLOTLIB = "the doctor's PNG timeline needs matplotlib: pip install 'fastfeed[plot]'"
@@ -56,14 +57,7 @@ def timeline_png(timeline: Timeline, path, title: str | None = None) -> Path:
 
 
 def _matplotlib():
-    try:
-        # the package first: one blocked in sys.modules fails here even if its submodules were imported before
-        import matplotlib  # noqa: F401
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as e:
-        raise ImportError(NEEDS_MATPLOTLIB) from e
-    return Figure, FigureCanvasAgg
+    return agg(NEEDS_MATPLOTLIB)
 
 
 def _batches_panel(ax, timeline: Timeline, rec: LoaderRecord | None) -> None:

@@ -42,7 +42,7 @@ import torch
 from torch.utils.data import DataLoader as TorchDataLoader
 
 CANDIDATE_ENV = "FASTFEED_BENCH_CANDIDATE"
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent.parent  # the checkout, when fastfeed runs from one (git commit)
 MB = 1e6
 
 # figure -> (record key, scale to the display unit, display unit, floor). Ratios use the raw
@@ -58,6 +58,7 @@ FIGURES = {
     "ttfb": ("ttfb_s", 1e3, "ms", 0.0),
     "ctor_ttfb": ("ctor_ttfb_s", 1e3, "ms", 0.0),
     "ttfb_hot": ("ttfb_hot_s", 1e3, "ms", 0.0),  # epoch mode only: first batch of epoch 2 and later
+    "stall": ("stall_fraction", 100.0, "%", 0.0),  # with a step only: the loop's share spent waiting for input
 }
 GBPS = ("bytes_per_s", 1e-9, "GB/s", 0.0)
 
@@ -83,6 +84,8 @@ class Comparison:
             ``"<workload> <label> <v>"``, and against the candidate, under
             ``"<workload> <label> <v>/<candidate_tag or 'candidate'>"``.
         variant_bars: Variant tag -> bars, as ``bars``, for that variant against the baseline.
+        step_s: A synthetic training step of this many seconds after each timed batch (``fastfeed bench
+            --step``): throughput is then the loop's, and ``stall`` the share of it spent waiting for input.
         epoch_batches: 0: a trial is one iterator over warm-up, timed and memory batches (steady
             state). N > 0: epoch mode, a trial is whole epochs of N batches of one loader (see
             :func:`run_epochs`); ``warmup`` is then unused (epoch 1 is the warm-up) and ``batches``
@@ -104,6 +107,7 @@ class Comparison:
     variant_bars: dict = field(default_factory=dict)
     epoch_batches: int = 0
     prime: bool = True
+    step_s: float = 0.0
 
     @property
     def epochs(self) -> int:
@@ -323,7 +327,7 @@ def _wait_for_exit(pids: set[int], timeout: float = 5.0) -> int:
 
 
 def run_trial(loader_cls: type, workload: Any, kwargs: dict, warmup: int, batches: int,
-              mem_batches: int = 0) -> dict:
+              mem_batches: int = 0, step_s: float = 0.0) -> dict:
     """Build a fresh dataset and loader and iterate it in four phases.
 
     1. ``iter(loader)`` to the first batch: time to first batch.
@@ -346,6 +350,8 @@ def run_trial(loader_cls: type, workload: Any, kwargs: dict, warmup: int, batche
         warmup: Untimed batches, counting the first (at least 1).
         batches: Timed batches (0: no throughput figures).
         mem_batches: Untimed batches iterated for the peak PSS (phase 4).
+        step_s: Seconds slept after each timed batch (a training step that leaves the CPUs to the loader, as
+            a GPU step does); the record's ``stall_fraction`` is then the timed phase's share spent in ``next``.
 
     Returns:
         The trial record: times, throughput, main-process and process-tree CPU, PSS figures.
@@ -371,7 +377,10 @@ def run_trial(loader_cls: type, workload: Any, kwargs: dict, warmup: int, batche
         mem.sample()
         tree0 = _tree_cpu_s()  # scanning /proc costs main-process CPU: outside the timed phase
         cpu0, w0 = _main_cpu_s(), time.perf_counter()
-        nbytes = sum(touch(next(it)) for _ in range(batches))
+        if step_s > 0:
+            nbytes, waited = _stepped(it, batches, step_s)
+        else:
+            nbytes, waited = sum(touch(next(it)) for _ in range(batches)), None
         w1, cpu1 = time.perf_counter(), _main_cpu_s()
         tree1 = _tree_cpu_s()
         mem.sample()
@@ -395,7 +404,20 @@ def run_trial(loader_cls: type, workload: Any, kwargs: dict, warmup: int, batche
         foot_peak_mb=mem.foot_peak_mb, foot_delta_mb=mem.foot_peak_mb - foot_base,
         peak_procs=mem.peak_procs, pss_samples=mem.samples, leftover_procs=leftover,
         ttfb_hot_s=None, stop_s=None,
+        stall_fraction=None if waited is None or not seconds else waited / seconds,
     )
+
+
+def _stepped(it: Iterator, batches: int, step_s: float) -> tuple[int, float]:
+    """``batches`` batches, each followed by a step of ``step_s``: (bytes, seconds spent waiting in ``next``)."""
+    nbytes, waited = 0, 0.0
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        batch = next(it)
+        waited += time.perf_counter() - t0
+        nbytes += touch(batch)
+        time.sleep(step_s)
+    return nbytes, waited
 
 
 def _next_batch(it: Iterator, epoch: int, index: int, epoch_batches: int) -> Any:
@@ -555,6 +577,8 @@ def compare(comp: Comparison, candidate: type, baseline: type = TorchDataLoader,
                       _tagged(names[0], comp.candidate_tag)),
     }
     for tag, own in comp.variants.items():
+        if SESSION.variants is not None and tag not in SESSION.variants:
+            continue
         if tag in sides:
             raise ValueError(f"a variant may not be named {tag!r}")
         factory, own = own if isinstance(own, tuple) else (candidate, own)
@@ -568,6 +592,7 @@ def compare(comp: Comparison, candidate: type, baseline: type = TorchDataLoader,
         counts = dict(warmup=comp.warmup, batches=comp.batches, mem_batches=comp.mem_batches)
     records = []
     roles = list(sides)
+    bar = _progress(comp, rounds * len(roles))
     for r in range(rounds):
         k = r % len(roles)
         order = roles[k:] + roles[:k]  # two sides: (baseline, candidate), (candidate, baseline), ...
@@ -580,10 +605,55 @@ def compare(comp: Comparison, candidate: type, baseline: type = TorchDataLoader,
             if n > 0:
                 rec.update(run_epochs(cls, comp.workload, kwargs, n, comp.epochs, comp.mem_batches))
             else:
-                rec.update(run_trial(cls, comp.workload, kwargs, comp.warmup, comp.batches, comp.mem_batches))
+                rec.update(run_trial(cls, comp.workload, kwargs, comp.warmup, comp.batches, comp.mem_batches,
+                                     comp.step_s or SESSION.step_s))
             rec["wall_s"] = time.perf_counter() - t0  # the whole trial: dataset, sampling, teardown
             records.append(rec)
+            if bar is not None:
+                bar.set_postfix_str(f"{name} {_shown(comp, rec)}")
+                bar.update()
+    if bar is not None:
+        bar.close()
     return records
+
+
+@dataclass
+class Session:
+    """What ``fastfeed bench`` asks of every comparison a suite builds (the scripts leave the defaults).
+
+    Attributes:
+        progress: a tqdm bar per comparison on stderr, its postfix the latest trial's loader and figure.
+        variants: the variant tags to run (``{"thread", "dali"}``); None runs every one the suite builds.
+        step_s: a synthetic training step after each timed batch, for comparisons that set none.
+    """
+
+    progress: bool = False
+    variants: set | None = None
+    step_s: float = 0.0
+
+
+SESSION = Session()
+
+
+def progress(total: int, desc: str):
+    """A tqdm bar on stderr when the session asks for bars, else None."""
+    if not SESSION.progress:
+        return None
+    from tqdm import tqdm
+
+    # disable=None: a bar on a terminal only; a log gets the figure lines, not a bar's every redraw
+    return tqdm(total=total, desc=desc, unit="trial", leave=False, file=sys.stderr, disable=None)
+
+
+def _progress(comp: Comparison, trials: int):
+    return progress(trials, f"{comp.workload.name} {comp.label}")
+
+
+def _shown(comp: Comparison, rec: dict) -> str:
+    """A trial's throughput in the workload's unit, for the progress bar."""
+    key, scale, unit, _ = _figures(comp.workload.unit)["throughput"]
+    value = rec.get(key)
+    return "-" if value is None else f"{fmt(value * scale)} {unit}"
 
 
 # --- summary and output --------------------------------------------------------------------
@@ -614,8 +684,8 @@ def summarize(comp: Comparison, records: list[dict], num: str = "candidate", den
     bars = {} if den != "baseline" else comp.bars if num == "candidate" else comp.variant_bars.get(num, {})
     out: dict[str, Any] = {}
     for fig, (key, scale, unit, floor) in _figures(comp.workload.unit).items():
-        pairs = [(r[num][key], r[den][key]) for r in rounds.values()
-                 if r[num][key] is not None and r[den][key] is not None]
+        pairs = [(r[num].get(key), r[den].get(key)) for r in rounds.values()
+                 if r[num].get(key) is not None and r[den].get(key) is not None]
         ratios = [c / b for c, b in pairs if b > floor]
         stat = dict(median=None, min=None, max=None, candidate=None, baseline=None, unit=unit)
         if pairs:
@@ -676,7 +746,7 @@ def write_results(script: str, result: dict, out_dir: Path) -> tuple[Path, Path]
     json_path, csv_path = out_dir / f"{stem}.json", out_dir / f"{stem}.csv"
     json_path.write_text(json.dumps(result, indent=1, default=_json_name) + "\n")
     with csv_path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(result["rounds"][0]))
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in result["rounds"] for k in r)))
         writer.writeheader()
         writer.writerows(result["rounds"])
     return json_path, csv_path
@@ -712,7 +782,7 @@ def run_script(script: str, comparisons: list[Comparison], args: argparse.Namesp
     say = (lambda *a: None) if quiet else print
     say(f"# candidate {cand_name} = {candidate.__module__}.{candidate.__qualname__}, baseline {base_name}; "
         f"{args.rounds} rounds, {os.cpu_count()} CPUs, torch {torch.__version__}")
-    records, summary = [], {}
+    records, summary, pairs = [], {}, {}
     load_start = os.getloadavg()
     for comp in comparisons:
         recs = compare(comp, candidate, base_cls, args.rounds, args.mp_context, names)
@@ -721,11 +791,15 @@ def run_script(script: str, comparisons: list[Comparison], args: argparse.Namesp
         cand = _tagged(cand_name, comp.candidate_tag)
         ratios = [(key, "candidate", "baseline", (cand, base_name))]  # summary key, num, den, names
         for tag in comp.variants:
+            if SESSION.variants is not None and tag not in SESSION.variants:
+                continue
             ratios += [(f"{key} {tag}", tag, "baseline", (_tagged(cand_name, tag), base_name)),
                        (f"{key} {tag}/{comp.candidate_tag or 'candidate'}", tag, "candidate",
                         (_tagged(cand_name, tag), cand))]
         for skey, num, den, pair in ratios:
             summary[skey] = summarize(comp, recs, num, den)
+            pairs[skey] = dict(comparison=comp.label, num=pair[0], den=pair[1],
+                               num_workers=_count(comp.candidate_kwargs.get("num_workers")))
             for fig in figures:
                 say(format_line(key, fig, summary[skey][fig], pair))
     result = dict(
@@ -743,6 +817,7 @@ def run_script(script: str, comparisons: list[Comparison], args: argparse.Namesp
         ),
         rounds=records,
         summary=summary,
+        pairs=pairs,  # summary key -> the comparison, the loaders of its ratio (numerator/denominator), nw
     )
     paths = write_results(script, result, args.out)
     print("# wrote " + ", ".join(str(p) for p in paths))
@@ -778,7 +853,7 @@ def parse_args(doc: str, argv: Sequence[str] | None, defaults: dict, quick: dict
                             f"iterator (default {' '.join(map(str, defaults['epoch_batches']))})")
     p.add_argument("--mp-context", choices=("fork", "spawn", "forkserver"),
                    help="multiprocessing_context for both loaders (default: the loaders' own)")
-    p.add_argument("--out", type=Path, default=REPO / "bench-results", help="directory for JSON and CSV")
+    p.add_argument("--out", type=Path, default=Path("bench-results"), help="directory for JSON and CSV")
     p.add_argument("--candidate", help=argparse.SUPPRESS)  # e.g. "torch"; see module docstring
     if extra:
         extra(p)
@@ -790,3 +865,8 @@ def parse_args(doc: str, argv: Sequence[str] | None, defaults: dict, quick: dict
         if getattr(args, name, None) is None:
             setattr(args, name, value)
     return args
+
+
+def _count(num_workers) -> int | None:
+    """A comparison's worker count for plots, or None when it has none to plot (``"auto"``)."""
+    return num_workers if isinstance(num_workers, int) else None

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from .. import config
+
 BATCH_SIZE = 64
 IMAGE_SHAPE = (3, 224, 224)
 IMAGE_BYTES = math.prod(IMAGE_SHAPE)  # uint8: 150,528 bytes
@@ -37,8 +39,8 @@ STARTUP_POOL_ITEMS = 256
 # The prefetch workload: a latency-bound dataset (time.sleep in __getitem__), small batches.
 PREFETCH_SLEEP_S = 0.002
 PREFETCH_BATCH_SIZE = 16
-# The jpeg workload's files: made once, then reused by every run (benchmarks/.cache is git-ignored).
-JPEG_CACHE = Path(__file__).resolve().parent / ".cache"
+# The jpeg workload's files: made once, then reused by every run (in fastfeed's cache directory).
+JPEG_CACHE = Path(config.cache_dir()) / "bench"
 JPEG_FILES = 512
 JPEG_QUALITY = 90
 JPEG_CROP = 224
@@ -504,3 +506,52 @@ def dali_jpeg_loader(dataset: JpegDataset, *, batch_size: int, num_workers: int,
     return DALILoader(_dali_jpeg_pipeline(), ("images",), batch_size=batch_size, num_threads=num_workers,
                       prefetch_queue_depth=2, device=device, files=files, crop=dataset.crop,
                       decoder="mixed" if gpu else "cpu")  # fmt: skip
+
+
+# --- text: sentences tokenized in __getitem__ ----------------------------------------------
+
+TEXT_WORDS = 4096  # the vocabulary the sentences are drawn from
+TEXT_LENGTH = 128  # tokens per sample, padded or cut
+TEXT_BATCH = 64
+
+
+class TextDataset(Dataset):
+    """Sentence ``i`` (40-200 words, drawn from a seeded vocabulary), tokenized in ``__getitem__``.
+
+    The tokenizer is plain Python, as a pure-Python or a per-sample call into a tokenizer is: split on
+    spaces, look each word up, add begin and end tokens, pad or cut to ``TEXT_LENGTH``. It returns
+    ``(ids, mask)``: int64 and bool, so a batch is two small tensors and most of its cost is Python.
+    """
+
+    def __init__(self, length: int, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+        self.words = ["".join(rng.choice(letters, rng.integers(2, 10))) for _ in range(TEXT_WORDS)]
+        self.vocab = {w: i + 3 for i, w in enumerate(dict.fromkeys(self.words))}  # 0 pad, 1 begin, 2 end
+        self.length, self.seed = length, seed
+
+    def __len__(self) -> int:
+        return self.length
+
+    def sentence(self, index: int) -> str:
+        rng = np.random.default_rng((self.seed, index))
+        picks = rng.integers(0, TEXT_WORDS, rng.integers(40, 200))
+        return " ".join(self.words[p] for p in picks)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = [1] + [self.vocab.get(w, 0) for w in self.sentence(index).split(" ")] + [2]
+        ids = ids[:TEXT_LENGTH] + [0] * max(0, TEXT_LENGTH - len(ids))
+        tokens = torch.tensor(ids, dtype=torch.int64)
+        return tokens, tokens != 0
+
+
+def text() -> Workload:
+    """Sentences tokenized in ``__getitem__``, 64 per batch: Python per sample, small batches."""
+    return Workload(
+        name="text",
+        make_dataset=TextDataset,
+        loader_kwargs=dict(batch_size=TEXT_BATCH),
+        unit="batch/s",
+        describe=dict(words=TEXT_WORDS, tokens=TEXT_LENGTH, batch_size=TEXT_BATCH,
+                      tokenizer="split, vocabulary lookup, pad (Python)"),
+    )

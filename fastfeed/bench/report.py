@@ -1,0 +1,238 @@
+"""A ``fastfeed bench`` report: one JSON file per run, its CSV, markdown for a README, and two reports compared.
+
+The report (schema ``fastfeed.bench/1``) keeps each workload's full result (every trial's record) under
+its name with its kind (see ``standard``), plus the machine as ``fastfeed info`` describes it, the versions
+and the exact command. Figures are ratios to torch measured in the same run, so two reports compare by their
+ratios: the same code on a noisier machine moves both sides.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+from .._atomic import write_atomic
+from .runner import fmt
+
+SCHEMA = "fastfeed.bench/1"
+COSTS = ("main_cpu_s", "tree_cpu_s", "peak_footprint", "ttfb", "ttfb_hot")  # lower is better
+GAINS = ("throughput",)  # higher is better
+
+
+def assemble(workloads: dict, command: str) -> dict:
+    """The report of one run: ``workloads`` is ``{name: {"kind", "result"}}``."""
+    import numpy
+    import torch
+
+    from .. import __version__, info
+
+    return portable({
+        "schema": SCHEMA,
+        "command": command,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": info.report(),
+        "versions": {"fastfeed": __version__, "torch": torch.__version__, "numpy": numpy.__version__,
+                     "python": platform.python_version(), "platform": platform.platform()},
+        "workloads": workloads,
+    })  # fmt: skip
+
+
+def portable(obj, cwd: str | None = None):
+    """``obj`` with this machine's paths made relative: to the working directory, to the checkout fastfeed runs
+    from, or to ``~``, so that a report can be committed or shared without naming anyone's directories."""
+    import os
+
+    import fastfeed
+
+    prefixes = [(os.path.abspath(cwd or os.getcwd()) + os.sep, ""),
+                (os.path.dirname(os.path.dirname(os.path.abspath(fastfeed.__file__))) + os.sep, ""),
+                (os.path.expanduser("~") + os.sep, "~" + os.sep)]  # fmt: skip
+
+    def fix(value):
+        if isinstance(value, str):
+            for prefix, short in prefixes:
+                value = value.replace(prefix, short)
+            return value
+        if isinstance(value, dict):
+            return {k: fix(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [fix(v) for v in value]
+        return value
+
+    return fix(obj)
+
+
+def load(path) -> dict:
+    with open(path) as f:
+        report = json.load(f)
+    if not isinstance(report, dict) or report.get("schema") != SCHEMA:
+        raise ValueError(f"{path} is not a fastfeed bench report (schema {SCHEMA}); the scripts under benchmarks/ "
+                         "write their own JSON, fastfeed bench --out writes reports")  # fmt: skip
+    return report
+
+
+def save(report: dict, out: Path) -> tuple[Path, Path]:
+    """``bench-<time>.json`` (the report) and ``.csv`` (one row per workload, ratio and figure) in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
+    n = 1
+    while stem.with_suffix(".json").exists():
+        n += 1
+        stem = out / f"bench-{time.strftime('%Y%m%d-%H%M%S')}-{n}"
+    json_path, csv_path = stem.with_suffix(".json"), stem.with_suffix(".csv")
+    write_atomic(json_path, (json.dumps(report, indent=1, default=str) + "\n").encode())
+    rows = list(figure_rows(report))
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["workload", "key", "figure", "median", "min", "max", "numerator",
+                                               "denominator", "unit", "bar", "meets_bar"])  # fmt: skip
+        writer.writeheader()
+        writer.writerows(rows)
+    return json_path, csv_path
+
+
+def figure_rows(report: dict):
+    """Every figure of every workload as flat rows: ``median``/``min``/``max`` are ratios, numerator and
+    denominator the absolute medians."""
+    for name, entry in report["workloads"].items():
+        res = entry["result"]
+        if entry["kind"] == "comparison":
+            for key, figs in res["summary"].items():
+                for fig, st in figs.items():
+                    yield dict(workload=name, key=key, figure=fig, median=st["median"], min=st["min"], max=st["max"],
+                               numerator=st["candidate"], denominator=st["baseline"], unit=st["unit"],
+                               bar=st.get("bar"), meets_bar=st.get("meets_bar"))  # fmt: skip
+        elif entry["kind"] == "files":
+            for key, figs in res.items():
+                sides = [("readahead", figs.get("readahead")), ("cached", figs.get("cached"))] if key != "tokens" \
+                    else [("arrayfiles", figs)]  # fmt: skip
+                for side, st in sides:
+                    if st:
+                        num = st.get("files_per_s", st.get("fastfeed"))
+                        den = figs["torch"]["files_per_s"] if key != "tokens" else figs["torch"]
+                        yield dict(workload=name, key=f"{key} {side}", figure="throughput", median=st["ratio"],
+                                   min=st["min"], max=st["max"], numerator=num, denominator=den,
+                                   unit="files/s" if key != "tokens" else "windows/s", bar=None, meets_bar=None)
+        elif entry["kind"] == "tune":
+            for row in res["rows"]:
+                for fig, key in (("throughput", "throughput_ratio"), ("tune_time", "time_ratio")):
+                    yield dict(workload=name, key=row["workload"], figure=fig, median=row[key], min=None, max=None,
+                               numerator=None, denominator=None, unit="x grid", bar=None,
+                               meets_bar=row["checks"].get("throughput" if fig == "throughput" else "time"))
+
+
+# --- markdown -------------------------------------------------------------------------------
+
+
+def markdown(report: dict, names=None) -> str:
+    """README-ready tables for ``names`` (default: every workload in the report), one per workload."""
+    names = list(names or report["workloads"])
+    missing = [n for n in names if n not in report["workloads"]]
+    if missing:
+        raise ValueError(f"the report has no workload {missing}; it has {sorted(report['workloads'])}")
+    return "\n\n".join(_table(n, report["workloads"][n]) for n in names)
+
+
+def _table(name: str, entry: dict) -> str:
+    if entry["kind"] == "files":
+        return _files_table(entry["result"])
+    if entry["kind"] == "tune":
+        from .suites.tune import markdown as tune_markdown
+
+        return tune_markdown(entry["result"]["rows"])
+    return _comparison_table(name, entry["result"])
+
+
+def _ratio(st: dict | None, bold: bool = False) -> str:
+    if not st or st.get("median") is None:
+        return "-"
+    text = f"{st['median']:.2f}x"
+    text = f"**{text}**" if bold else text
+    spread = f" ({st['min']:.2f}-{st['max']:.2f}" if st.get("min") is not None else " ("
+    bar = f"; bar {st['bar']}x {'ok' if st.get('meets_bar') else 'missed'}" if st.get("bar") else ""
+    return text + (spread + bar + ")" if spread != " (" or bar else "")
+
+
+def _abs(value, unit: str) -> str:
+    return "-" if value is None else f"{fmt(value)} {unit}"
+
+
+def _comparison_table(name: str, res: dict) -> str:
+    """One row per loader against torch: throughput (ratio and both sides), whole-tree CPU, footprint, first batch."""
+    pairs = res.get("pairs", {})
+    rows = [(k, p) for k, p in pairs.items() if p["den"] == "torch"]
+    summary = res["summary"]
+    hot = any(summary[k].get("ttfb_hot", {}).get("median") is not None for k, _ in rows)
+    stall = any(summary[k].get("stall", {}).get("candidate") is not None for k, _ in rows)
+    head = ["comparison", "loader", "throughput / torch", "loader's throughput", "torch's", "CPU, whole tree / torch",
+            "peak footprint / torch", "first batch / torch"] + (["first batch, later epochs / torch"] if hot else []) \
+        + (["stall: loader / torch"] if stall else [])  # fmt: skip
+    lines = [f"**{name}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, pair in rows:
+        figs = summary[key]
+        tput = figs["throughput"]
+        cells = [pair["comparison"], pair["num"], _ratio(tput, bold=True), _abs(tput["candidate"], tput["unit"]),
+                 _abs(tput["baseline"], tput["unit"]), _ratio(figs.get("tree_cpu_s")),
+                 _ratio(figs.get("peak_footprint")), _ratio(figs.get("ttfb"))]  # fmt: skip
+        if hot:
+            cells.append(_ratio(figs.get("ttfb_hot")))
+        if stall:
+            st = figs.get("stall") or {}
+            cells.append(f"{_abs(st.get('candidate'), '%')} / {_abs(st.get('baseline'), '%')}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _files_table(res: dict) -> str:
+    lines = ["**files**", "", "| workload | torch | read-ahead / torch | cached (epoch 2) / torch |",
+             "|---|---|---|---|"]
+    for key in ("http", "local"):
+        figs = res.get(key)
+        if figs:
+            t = figs["torch"]
+            cells = [key, f"{fmt(t['files_per_s'])} files/s ({fmt(t['mb_per_s'])} MB/s)"]
+            for side in ("readahead", "cached"):
+                st = figs[side]
+                cells.append(f"**{st['ratio']:.2f}x** ({st['min']:.2f}-{st['max']:.2f}), "
+                             f"{fmt(st['files_per_s'])} files/s")
+            lines.append("| " + " | ".join(cells) + " |")
+    tk = res.get("tokens")
+    if tk:
+        lines.append(f"| tokens (ArrayFiles vs np.memmap) | {fmt(tk['torch'])} windows/s | **{tk['ratio']:.2f}x** "
+                     f"({tk['min']:.2f}-{tk['max']:.2f}), {fmt(tk['fastfeed'])} windows/s | - |")
+    return "\n".join(lines)
+
+
+# --- two reports compared ----------------------------------------------------------------------
+
+
+def compare(old: dict, new: dict, threshold: float) -> tuple[list[str], list[str]]:
+    """Lines of ``new``'s ratios over ``old``'s for every figure both have, and the regressions among them.
+
+    A throughput ratio to torch that fell by more than ``threshold``, or a cost ratio (CPU, footprint, time
+    to first batch) that rose by more, is a regression.
+    """
+    a = {(r["workload"], r["key"], r["figure"]): r for r in figure_rows(old)}
+    b = {(r["workload"], r["key"], r["figure"]): r for r in figure_rows(new)}
+    lines, regressions = [], []
+    for k in [k for k in b if k in a]:
+        was, now = a[k]["median"], b[k]["median"]
+        fig = k[2]
+        if not was or now is None or fig not in GAINS + COSTS:
+            continue
+        change = now / was
+        worse = change < 1 - threshold if fig in GAINS else change > 1 + threshold
+        line = f"{k[0]:<10} {k[1]:<34} {fig:<15} {was:6.2f}x -> {now:6.2f}x  = {change:.2f}" + \
+            ("  REGRESSION" if worse else "")  # fmt: skip
+        lines.append(line)
+        if worse:
+            regressions.append(line)
+    return lines, regressions
+
+
+def print_lines(lines, file=sys.stdout) -> None:
+    for line in lines:
+        print(line, file=file)

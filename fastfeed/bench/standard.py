@@ -1,0 +1,39 @@
+"""The standard workloads of ``fastfeed bench``: each is a suite module, run with the command's options.
+
+A suite's ``main(argv)`` is what its script under ``benchmarks/`` runs; here it gets the options that
+apply to it and returns its result, which the report keeps under the workload's name with its kind:
+``comparison`` (the runner's interleaved rounds: transport, overhead, jpeg, text, startup), ``files``
+(storage behind latency, read-ahead and cache) or ``tune`` (the tuner against an exhaustive grid).
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+KINDS = {"transport": "comparison", "overhead": "comparison", "jpeg": "comparison", "text": "comparison",
+         "startup": "comparison", "files": "files", "tune": "tune"}  # fmt: skip
+STANDARD = tuple(KINDS)
+NEEDS_WORKERS = {"jpeg": "compares worker processes, threads and DALI's threads", "startup": "times worker start-up"}
+
+
+def run(name: str, *, quick: bool, rounds: int | None, num_workers: list | None, out: Path) -> dict:
+    """Run standard workload ``name``; returns ``{"kind", "result"}``.
+
+    Raises:
+        ValueError: an option this workload cannot take (``auto`` workers, 0 workers where it needs some).
+    """
+    suite = importlib.import_module(f"fastfeed.bench.suites.{name}")
+    kind = KINDS[name]
+    argv = (["--out", str(out)] if kind != "files" else []) + (["--quick"] if quick else [])
+    if rounds is not None and kind != "tune":
+        argv += ["--rounds", str(rounds)]
+    if num_workers and kind == "comparison":
+        if "auto" in num_workers:
+            raise ValueError(f"{name}: --num-workers auto is for your own dataset (fastfeed bench module:attr); "
+                             "the standard workloads compare fixed counts")  # fmt: skip
+        counts = [n for n in num_workers if n > 0] if name in NEEDS_WORKERS else num_workers
+        if not counts:
+            raise ValueError(f"{name} {NEEDS_WORKERS[name]}: give --num-workers of 1 or more")
+        argv += ["--num-workers", *map(str, counts)]
+    return {"kind": kind, "result": suite.main(argv)}

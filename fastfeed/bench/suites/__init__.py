@@ -1,0 +1,1 @@
+"""One module per standard workload of ``fastfeed bench``; each is also a script under ``benchmarks/``."""
