@@ -6,6 +6,7 @@ fastfeed tune module:attr ...  measure loader settings for a dataset; print them
 fastfeed tune --show|--clear   list or empty the tuning cache
 fastfeed doctor SCRIPT [ARGS]  run a training script, say why the GPU idles, check the advice by measuring it
 fastfeed bench [WORKLOAD ...]  fastfeed against torch's DataLoader on standard workloads or your dataset
+fastfeed run SCRIPT [ARGS]     run a script with every torch DataLoader it builds replaced by fastfeed's
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import sys
 
 from . import config
+from . import run as run_cli
 from ._ring import segments
 from .bench import cli as bench_cli
 from .doctor import cli as doctor_cli
@@ -49,6 +51,7 @@ def main(argv=None) -> int:
     tune_cli.add_parser(sub)
     doctor_cli.add_parser(sub)
     bench_cli.add_parser(sub)
+    run_cli.add_parser(sub)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -6,7 +6,8 @@ classes, installed for one watch and removed after it.
   recorder is read as it is; torch's iterator gets a recorder of the same kind, fed from its ``_next_data``.
   Each recorded batch ticks the watch, which ends the measured phase (``StopWatch``) after ``--steps``.
 - For the what-if runs: ``overrides`` change the arguments of every loader built (``num_workers=4``),
-  ``to_fastfeed`` builds ``fastfeed.DataLoader`` where the script asks for torch's, and ``cached`` makes every
+  ``to_fastfeed`` builds ``fastfeed.DataLoader`` where the script asks for torch's (``fastfeed.replace``, as
+  ``fastfeed run`` does), and ``cached`` makes every
   loader yield its first batch again and again (the compute ceiling: a step that never waits for input).
 """
 
@@ -26,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader as TorchLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from .. import stats
+from .. import replace, stats
 from ..loader import DataLoader as FastLoader
 from .timeline import EpochRecord, LoaderRecord, WorkerRecord
 from .verdict import DALI_NAMES
@@ -211,10 +212,11 @@ class Hooks:
                 return init(loader, *args, **kwargs)
             hooks.made_at[loader] = _caller()
             target = init
-            if hooks.to_fastfeed and type(loader) is TorchLoader:
-                # The same object becomes fastfeed's loader (a subclass, so the layout allows it) and is built by
-                # fastfeed's __init__ with the same arguments. Subclasses of torch's loader are left as they are.
-                loader.__class__ = FastLoader
+            new = replace.target(type(loader))[0] if hooks.to_fastfeed else None
+            if new is not None:
+                # fastfeed run's mechanism: the same object becomes fastfeed's loader (or a library subclass on
+                # top of it) and is built by fastfeed's __init__ with the same arguments.
+                loader.__class__ = new
                 target = FastLoader.__init__.__wrapped__
             if hooks.overrides and _is_dali(loader):
                 kwargs = _dali_override(kwargs, hooks.overrides)

@@ -1,0 +1,1 @@
+"""Holds the sitecustomize that fastfeed run puts on PYTHONPATH (see fastfeed.run)."""
