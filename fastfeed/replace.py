@@ -67,7 +67,8 @@ def _mixed(cls: type) -> type:
 
 def caller(loader) -> str:
     """file:line of the innermost frame outside torch, fastfeed and ``loader``'s own methods (a subclass's
-    ``__init__``): where the loader was asked for."""
+    ``__init__``): where the loader was asked for. A script run as ``__main__`` (fastfeed's own demo included)
+    counts as the user's."""
     frame = sys._getframe(1)
     while frame is not None and (str(frame.f_globals.get("__name__")).startswith(("torch.", "fastfeed."))
                                  or frame.f_locals.get("self") is loader):  # fmt: skip

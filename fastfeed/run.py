@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import runpy
 import sys
 
-from . import replace
+from . import _script, replace
 
 SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_run_site")
 _child = None
@@ -37,30 +36,24 @@ def install_in_child() -> None:
 
 
 def main(args) -> int:
-    if not args.module and not os.path.isfile(args.script):
-        print(f"fastfeed run: no script at {args.script!r} (give a path, or -m for a module)", file=sys.stderr)
+    try:
+        _script.check(args.script, args.module, "fastfeed run")
+    except FileNotFoundError as e:
+        print(e, file=sys.stderr)
         return 2
-    saved_argv, saved_path = sys.argv, list(sys.path)
     saved_env = {k: os.environ.get(k) for k in ("FASTFEED_RUN", "PYTHONPATH")}
     os.environ["FASTFEED_RUN"] = "1"
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [SITE, os.environ.get("PYTHONPATH")]))
-    sys.argv = [args.script, *args.args]
-    if not args.module:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
     replacer = replace.Replacer().install()
     code = 0
     try:
-        if args.module:
-            runpy.run_module(args.script, run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(args.script, run_name="__main__")
+        _script.run_as_main(args.script, args.args, args.module)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, (int, type(None))):
             print(e.code, file=sys.stderr)
     finally:
         replacer.close()
-        sys.argv, sys.path[:] = saved_argv, saved_path
         for key, value in saved_env.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import platform
 import sys
 import time
@@ -44,8 +45,6 @@ def assemble(workloads: dict, command: str) -> dict:
 def portable(obj, cwd: str | None = None):
     """``obj`` with this machine's paths made relative: to the working directory, to the checkout fastfeed runs
     from, or to ``~``, so that a report can be committed or shared without naming anyone's directories."""
-    import os
-
     import fastfeed
 
     prefixes = [(os.path.abspath(cwd or os.getcwd()) + os.sep, ""),

@@ -68,7 +68,12 @@ def call_args(fn, kwargs: dict, rank: int, world: int, auto_shard: bool) -> dict
 
 
 def placement(numa, device: torch.device | None, num_threads: int) -> affinity.Placement | None:
-    """Where DALI's threads go: the CPUs of this rank's plan (None: leave them where they are)."""
+    """Where DALI's threads go: the CPUs of this rank's plan (None: leave them where they are).
+
+    Raises:
+        ValueError: ``numa`` is not "auto", "off" or a node of this machine (as ``DataLoader(numa=...)``).
+    """
+    affinity.check(numa)
     return affinity.placement(affinity.plan_for(numa, device, num_threads))
 
 

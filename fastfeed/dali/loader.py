@@ -84,9 +84,6 @@ class DALILoader:
         else:
             raise TypeError("DALILoader takes a DALI Pipeline or a @pipeline_def function, got "
                             f"{type(pipeline).__name__}")
-        from .. import affinity
-
-        affinity.check(numa)
         self.num_threads, self.prefetch_queue_depth = threads, depth
         self._where = build.placement(numa, target, threads)
         self._built = False

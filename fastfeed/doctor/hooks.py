@@ -98,15 +98,6 @@ def worker_pids(it) -> list[int]:
     return [p.pid for p in procs or () if p is not None and p.pid is not None]
 
 
-def _caller() -> str:
-    """file:line of the innermost frame outside torch's and fastfeed's modules: where the user built the loader
-    (a script run as ``__main__``, fastfeed's own demo included, counts as the user's)."""
-    frame = sys._getframe(2)
-    while frame is not None and str(frame.f_globals.get("__name__")).startswith(("torch.", "fastfeed.")):
-        frame = frame.f_back
-    return "?" if frame is None else f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
-
-
 def _detached(batch, device):
     """A copy of ``batch`` that holds no ring slot and no worker: tensors cloned (onto ``device``)."""
     if isinstance(batch, torch.Tensor):
@@ -210,7 +201,7 @@ class Hooks:
         def __init__(loader, *args, **kwargs):
             if not hooks._outermost():  # fastfeed's __init__ calling torch's
                 return init(loader, *args, **kwargs)
-            hooks.made_at[loader] = _caller()
+            hooks.made_at[loader] = replace.caller(loader)
             target = init
             new = replace.target(type(loader))[0] if hooks.to_fastfeed else None
             if new is not None:

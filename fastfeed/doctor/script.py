@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import runpy
-import sys
-
+from .. import _script
 from .report import Report
 from .watch import Watch
 
@@ -22,30 +19,16 @@ def run(target: str, argv: list[str], module: bool = False,
     exception the script ended with, if any. ``sys.argv`` and ``sys.path[0]`` are the script's while it runs.
     The measured phase ends with the script, or after the watch's steps (``StopWatch``, swallowed).
     """
-    saved_argv, saved_path = sys.argv, list(sys.path)
+    _script.check(target, module, "fastfeed doctor")
     watch = Watch(**watch_kwargs)
     error = None
-    if module:
-        sys.argv = [target, *argv]
-    else:
-        if not os.path.isfile(target):
-            raise FileNotFoundError(f"fastfeed doctor: no script at {target!r} (give a path, or -m for a module)")
-        sys.argv = [target, *argv]
-        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
-    try:
-        with watch as report:
-            try:
-                if module:
-                    runpy.run_module(target, run_name="__main__", alter_sys=True)
-                else:
-                    runpy.run_path(target, run_name="__main__")
-            except SystemExit as e:
-                if e.code not in (0, None):
-                    error = e
-            except Exception as e:  # the report so far is still worth having
+    with watch as report:
+        try:
+            _script.run_as_main(target, argv, module)
+        except SystemExit as e:
+            if e.code not in (0, None):
                 error = e
-    finally:
-        sys.argv = saved_argv
-        sys.path[:] = saved_path
+        except Exception as e:  # the report so far is still worth having
+            error = e
     report.command = ["fastfeed", "doctor", *(["-m"] if module else []), target, *argv]
     return report, watch, error
