@@ -1,11 +1,14 @@
-"""fastfeed's demo: the transport and overhead questions, as a short table of fastfeed/torch ratios, then the
-doctor's verdict on its built-in scenario (``fastfeed doctor --demo``: a loop starved by too few workers).
+"""fastfeed's demo: the transport and overhead questions, as a short table of fastfeed/torch ratios, then
+``fastfeed run`` on a script written for torch alone (benchmarks/plain_torch.py, run as it is and under
+``python -m fastfeed run``), then the doctor's verdict on its built-in scenario (``fastfeed doctor --demo``: a loop
+starved by too few workers).
 
 Runs benchmarks/transport.py and benchmarks/overhead.py with their default settings (about a
 minute and a half on 2 cores against torch; less as fastfeed is faster), then prints one row
 per comparison. Throughput: higher is better; main-process CPU, peak PSS, time to first
-batch: lower is better. The full figures go to bench-results/demo-<timestamp>.json and .csv, the doctor's
-report (text, JSON, PNG timeline, Perfetto trace) to bench-results/doctor-demo/.
+batch: lower is better. The full figures go to bench-results/demo-<timestamp>.json and .csv, fastfeed run's to
+bench-results/fastfeed-run.json, the doctor's report (text, JSON, PNG timeline, Perfetto trace) to
+bench-results/doctor-demo/.
 
 Run: .venv/bin/python benchmarks/demo.py [--quick] [--rounds N] [--epoch-batches 0 60] [--out DIR]
 
@@ -18,11 +21,15 @@ Measured (paste the table of a full run here):
 
 from __future__ import annotations
 
+import glob
 import json
+import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+from fastfeed import config
 from fastfeed.bench import runner as _runner
 from fastfeed.bench.suites import overhead, transport
 
@@ -60,6 +67,35 @@ def table(summary: dict, names: tuple[str, str]) -> str:
     return "\n".join(row.rstrip() for row in rows)
 
 
+def run_example(rounds: int) -> dict:
+    """benchmarks/plain_torch.py as it is and under ``fastfeed run``, in alternating rounds: the median seconds of
+    each, their ratio, ``fastfeed run``'s summary line, and what either left behind once it exited (processes still
+    running the script, such as orphaned workers; shared-memory segments named for its pid)."""
+    script = str(Path(__file__).with_name("plain_torch.py"))
+    seconds: dict[str, list[float]] = {"python": [], "fastfeed run": []}
+    summary, left = "", {"processes": 0, "segments": 0}
+    for _ in range(rounds):
+        for how, prefix in (("python", []), ("fastfeed run", ["-m", "fastfeed", "run"])):
+            proc = subprocess.Popen([sys.executable, *prefix, script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True)  # fmt: skip
+            out, err = proc.communicate(timeout=300)
+            if proc.returncode:
+                raise RuntimeError(f"{how} {script} exited with {proc.returncode}:\n{err}")
+            seconds[how].append(json.loads(out.splitlines()[-1])["seconds"])
+            summary = next((line for line in err.splitlines() if line.startswith("fastfeed run:")), summary)
+            left["segments"] += len(glob.glob(os.path.join(config.shm_dir(), f"fastfeed-{proc.pid}-*")))
+            left["processes"] += sum(script in _cmdline(pid) for pid in os.listdir("/proc") if pid.isdigit())
+    medians = {how: statistics.median(s) for how, s in seconds.items()}
+    return {"seconds": medians, "ratio": medians["python"] / medians["fastfeed run"], "summary": summary, "left": left}
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:  # it exited meanwhile
+        return ""
+
+
 def main(argv=None) -> dict:
     """Run the demo from the command line."""
     args = _runner.parse_args(__doc__, argv, DEFAULTS, QUICK)
@@ -74,6 +110,13 @@ def main(argv=None) -> dict:
         comps += script.comparisons(**opts)
     result = _runner.run_script("demo", comps, args, quiet=True)
     print(table(result["summary"], (result["params"]["candidate"], "torch")))
+    print("\nfastfeed run on a script written for torch alone (benchmarks/plain_torch.py, unchanged):", flush=True)
+    example = run_example(1 if args.quick else 3)
+    python, ours = example["seconds"]["python"], example["seconds"]["fastfeed run"]
+    print(f"  python {python:.2f} s, python -m fastfeed run {ours:.2f} s: {example['ratio']:.2f}x the speed; "
+          f"left behind: {example['left']['processes']} processes, {example['left']['segments']} segments\n"
+          f"  {example['summary']}")  # fmt: skip
+    (Path(args.out) / "fastfeed-run.json").write_text(json.dumps(example, indent=1))
     print("\nThe doctor on its built-in scenario (fastfeed doctor --demo):", flush=True)
     out = Path(args.out) / "doctor-demo"
     doctor = [sys.executable, "-m", "fastfeed", "doctor", "--out", str(out), *(["--steps", "100"] if args.quick else []),

@@ -93,9 +93,11 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         # no batch needs one per task in flight, the `held` a device stage keeps (copies
         # ahead, and one whose copy may still be running) and the two a `for` loop
         # holds while it asks for the next. Workers keep a state snapshot for as many.
-        held = stage.ahead + 1 if stage else 0
+        # A wrapper that reads ahead of its own consumer (Accelerate's, see fastfeed.accelerate) holds as many more.
+        held = (stage.ahead + 1 if stage else 0) + loader._ff_lookahead
         quiet = self._num_workers * self._prefetch_factor + held + 2
         self._staged = stage is not None
+        self._keep_ended = self._staged or loader._ff_lookahead > 0  # states from before a worker's end are asked
         self._yield_log = collections.deque(maxlen=held)  # (worker, last tasks) before each yield
         cuda_slots = stage.device.type == "cuda" if stage else self._pin_memory_device == "cuda"
         # Workers, their memory and the ring go on the GPU's NUMA node (loader.numa_plan).
@@ -250,9 +252,9 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         A worker answers after the tasks it was sent before the request; their answers
         are kept for when their turn comes.
         """
-        # With a device stage, a worker whose iterable ended stays alive until the epoch ends:
-        # the batches it made before that may still be held back.
-        keep = self._persistent_workers or self._staged
+        # With a device stage or a wrapper reading ahead, a worker whose iterable ended stays alive until the
+        # epoch ends: the batches it made before that may still be held back.
+        keep = self._persistent_workers or self._keep_ended
         asked = [wid for wid in range(self._num_workers) if self._workers_status[wid] or keep]
         for wid in asked:
             self._pool.send(wid, m.StateRequest(last_task[wid]))
@@ -388,7 +390,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         if type(msg) is m.IterEnd:
             self._workers_status[msg.worker_id] = False
             self._last_task[msg.worker_id] = msg.idx
-            if not (self._persistent_workers or self._staged):
+            if not (self._persistent_workers or self._keep_ended):
                 self._pool.retire(msg.worker_id)
             self._discard(self._task_info.pop(msg.idx))
             self._try_put_index()
@@ -423,7 +425,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
     def _process(self, task: _Task):
         msg = task.msg
         self._workers_num_tasks[task.wid] -= 1
-        before = list(self._last_task) if self._staged else None
+        before = list(self._last_task) if self._yield_log.maxlen else None
         self._last_task[task.wid] = msg.idx
         self._try_put_index()
         if type(msg) is m.Failed:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import time
 
 from torch.utils.data import _DatasetKind
@@ -31,6 +32,9 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         self._finished = False
         stateful = loader._dataset_kind == _DatasetKind.Iterable and _state.is_stateful_dataset(loader.dataset)
         self._stateful = stateful
+        # A wrapper reading ahead (fastfeed.accelerate) asks for the state of batches ago: the dataset's states then.
+        ahead = loader._ff_lookahead
+        self._dataset_log = collections.deque(maxlen=ahead + 1) if stateful and ahead else None
         if resume is None:
             keep = _state.sampler_rngs(self._generator) if base_seed is not None else None
             super().__init__(loader)
@@ -58,6 +62,8 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
     def _next_index(self):
         if self._sampler_rng is None:
             self._sampler_rng = _state.sampler_rngs(self._generator)
+        if self._dataset_log is not None and not self._dataset_log:
+            self._log_dataset()  # its state before this epoch's (or this resumed run's) first batch
         if self._prefetch is None:
             return next(self._sampler_iter)
         # The read-ahead protocol: the dataset hears of this batch's samples and the next one's before they
@@ -81,22 +87,32 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         try:
             rec = self._stats
             if rec is None or not self._timed:
-                return super()._next_data()
-            asked = time.perf_counter()
-            data = super()._next_data()
-            rec.add(asked, 0, time.perf_counter())
+                data = super()._next_data()
+            else:
+                asked = time.perf_counter()
+                data = super()._next_data()
+                rec.add(asked, 0, time.perf_counter())
+            self._log_dataset()
             return data
         except StopIteration:
             self._finished = True
             raise
 
-    def state_dict(self) -> dict:
+    def _log_dataset(self) -> None:
+        if self._dataset_log is not None:
+            self._dataset_log.append(_state.dataset_state(self._dataset))
+
+    def state_dict(self, held_back: int = 0) -> dict:
+        """This epoch's position; ``held_back``: as of that many batches ago (see ``RingDataLoaderIter``)."""
+        dataset = None
+        if self._stateful:
+            dataset = self._dataset_log[-1 - held_back] if held_back else _state.dataset_state(self._dataset)
         return {
-            "mid_epoch": not self._finished,
-            "yielded": self._num_yielded,
+            "mid_epoch": not self._finished or held_back > 0,
+            "yielded": self._num_yielded - held_back,
             "sampler_rng": self._sampler_rng,
             "base_seed": self._base_seed,
-            "dataset": _state.dataset_state(self._dataset) if self._stateful else None,
+            "dataset": dataset,
             "next_worker": 0,
             "workers": None,
         }

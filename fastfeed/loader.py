@@ -18,7 +18,7 @@ import torch
 import torch.utils.data
 from torch.utils.data import IterDataPipe, MapDataPipe
 
-from . import _state, affinity, stats, transfer
+from . import _state, accelerate, affinity, stats, transfer
 from ._iterator import RingDataLoaderIter
 from ._ring.ring import Ring
 from ._single import SingleProcessIter
@@ -86,6 +86,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         args, auto = tuning_auto.take(args, kwargs)
         super().__init__(*args, **kwargs)
         self._ff_stage = transfer.plan(device, device_transform, device_prefetch)
+        self._ff_made = {"device": device, "device_transform": device_transform, "device_prefetch": device_prefetch}
+        self._ff_auto = auto
         affinity.check(numa)
         self.numa = numa
         self.numa_plan = None  # made when the first workers start
@@ -107,6 +109,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             self._read_direct()
         if auto is not None:
             tuning_auto.start(self, auto)
+        accelerate.watch(self)
 
     def _read_direct(self) -> None:
         """GDS: batches are read into device memory in the loop's thread, so there are no workers to start."""
@@ -123,6 +126,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     _ff_resume = None  # the state the next iterator starts from
     _ff_ring = None  # the ring of batch slots, kept across epochs
     _ff_stats = None  # the latest iterator's stats.Recorder
+    _ff_lookahead = 0  # batches a wrapper around this loader reads ahead of its consumer (fastfeed.accelerate)
 
     def stats(self) -> stats.Stats:
         """What the latest iterator measured: throughput, stall fraction, waits, steps, workers' load.
@@ -252,10 +256,24 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         ``load_state_dict()`` is restored with them, in each worker. Needs
         ``in_order=True``. Calling it with workers waits for the tasks they hold.
         """
+        return self._state_before(0)
+
+    def _handed(self) -> tuple[object, int]:
+        """The latest epoch's iterator and how many batches it has handed to whoever iterates this loader."""
+        it = self._ff_last() if self._ff_last is not None else None
+        if it is None:
+            return None, 0
+        staged = self._ff_staged() if self._ff_staged is not None else None
+        return it, it._num_yielded - (staged.held_back if staged is not None and staged.source is it else 0)
+
+    def _state_before(self, behind: int) -> dict:
+        """``state_dict()`` as of ``behind`` batches ago (at most ``_ff_lookahead``): the state a wrapper that
+        reads ahead of its consumer saves, without draining the workers at every batch as calling
+        ``state_dict()`` then would."""
         rng = _state.main_rngs(self.generator)
         it = self._ff_last() if self._ff_last is not None else None
         staged = self._ff_staged() if self._ff_staged is not None else None
-        held_back = staged.held_back if staged is not None and staged.source is it else 0
+        held_back = (staged.held_back if staged is not None and staged.source is it else 0) + behind
         state = {"version": STATE_VERSION, "epochs": self._ff_epochs, "rng": rng}
         if it is not None and (not it._finished or held_back or (self.persistent_workers and self.num_workers > 0)):
             state.update(it.state_dict(held_back) if held_back else it.state_dict())

@@ -184,6 +184,19 @@ def test_startup(tmp_path, bench_env):
     check_epochs(result, 10)
 
 
+@pytest.mark.fastfeed_only
+def test_with_accelerate(tmp_path, bench_env):
+    """with_accelerate.py: fastfeed's loader, and prepared by Accelerate, against torch's prepared by Accelerate,
+    with and without use_stateful_dataloader, in epochs."""
+    pytest.importorskip("accelerate")
+    pytest.importorskip("torchdata")
+    result = run_quick("with_accelerate", tmp_path, bench_env)
+    sides = ("", " accelerate", " accelerate/candidate")
+    assert set(result["summary"]) == {f"transport prepare{s} nw=2{v}" for s in ("", ", stateful") for v in sides}
+    assert result["params"]["baseline_class"].endswith("torch_prepared")
+    check_epochs(result, 6)
+
+
 def test_startup_spawn(tmp_path, bench_env):
     """The workloads' datasets pickle, so both loaders start workers under spawn."""
     result = run_quick("startup", tmp_path, bench_env, "--rounds", "1", "--mp-context", "spawn")
@@ -288,7 +301,8 @@ def test_prefetch(tmp_path, bench_env):
 
 
 def test_demo(tmp_path, bench_env):
-    """demo.py runs the transport and overhead questions, prints one table row per comparison, and ends with the
+    """demo.py runs the transport and overhead questions, prints one table row per comparison, runs a torch script
+    unchanged and under `fastfeed run` (which replaces its loader and leaves nothing behind), and ends with the
     doctor's verdict on its built-in scenario."""
     proc = subprocess.run([sys.executable, str(BENCH / "demo.py"), "--quick", "--out", str(tmp_path)],
                           cwd=REPO, env=bench_env, capture_output=True, text=True, timeout=300)
@@ -296,6 +310,10 @@ def test_demo(tmp_path, bench_env):
     result = json.loads(next(tmp_path.glob("demo-*.json")).read_text())
     assert len(result["summary"]) == 5
     assert all(key in proc.stdout for key in result["summary"])
+    example = json.loads((tmp_path / "fastfeed-run.json").read_text())
+    assert example["summary"].startswith("fastfeed run: 1 of 1 DataLoader(s) replaced by fastfeed's")
+    assert example["left"] == {"processes": 0, "segments": 0} and example["ratio"] > 0
+    assert example["summary"] in proc.stdout
     report = json.loads((tmp_path / "doctor-demo" / "report.json").read_text())
     assert report["verdict"]["line"] in proc.stdout.split("fastfeed doctor --demo")[-1]
     assert (tmp_path / "doctor-demo" / "timeline.png").exists()

@@ -190,3 +190,30 @@ def test_batches_that_fail_to_collate_leave_no_segment_while_the_iterator_lives(
     assert _leaks.shm_segments((f"fastfeed-{os.getpid()}-",)) == {it._ring.control.name.lstrip("/")}
     del it
     gc.collect()
+
+
+@pytest.mark.fastfeed_only
+def test_a_script_that_exits_while_workers_are_still_exiting_waits_for_them_quietly():
+    """The script ends right after an epoch, while the thread that reaps its workers still waits for them (made
+    slow here, as a large dataset's page tables make it): exit waits for that thread, and multiprocessing's own
+    exit handler then finds no closed process ("process object is closed")."""
+    proc = start_script(
+        """
+        from fastfeed._workers import pool
+        real = pool._end
+
+        def slow(procs, grace):
+            time.sleep(0.5)
+            gone = real(procs, grace)
+            print("reaped", flush=True)
+            return gone
+
+        pool._end = slow
+        for _ in _candidate.DataLoader(ds.PlainDataset(8), batch_size=2, num_workers=2):
+            pass
+        """
+    )
+    with proc:
+        out, err = finish(proc, 30)
+    assert proc.returncode == 0 and out.split() == ["reaped"], (out, err)
+    assert "Error" not in err and "Exception" not in err, err

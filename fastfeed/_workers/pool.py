@@ -7,6 +7,8 @@ thread. A worker's death is seen at once through its process sentinel.
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing.util  # its exit handler joins child processes: ours, registered after it, runs before it
 import os
 import select
 import signal
@@ -244,7 +246,9 @@ class Pool:
         if idle:
             self._close_pipes()
             self.all_gone = True  # gone from the ring's point of view: none writes again
-            threading.Thread(target=_end, args=(procs, grace), name="ff_worker_reaper", daemon=True).start()
+            reaper = threading.Thread(target=_reap, args=(procs, grace), name="ff_worker_reaper", daemon=True)
+            _reapers.add(reaper)
+            reaper.start()
             return
         self.all_gone = _end(procs, grace)
         self._close_pipes()
@@ -254,6 +258,22 @@ class Pool:
             w.tasks.close()
             w.results.close()
         self.workers = []
+
+
+_reapers: set[threading.Thread] = set()  # threads still waiting for stopped workers to exit
+
+
+def _reap(procs, grace: float) -> None:
+    _end(procs, grace)
+    _reapers.discard(threading.current_thread())
+
+
+@atexit.register
+def _join_reapers() -> None:
+    """At exit, let the reapers finish before multiprocessing's own exit handler joins every child process: a
+    reaper closes the processes it joined, and a closed one makes that handler raise "process object is closed"."""
+    for reaper in list(_reapers):
+        reaper.join()
 
 
 def _end(procs, grace: float) -> bool:
