@@ -258,25 +258,27 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         """
         return self._state_before(0)
 
+    def _latest(self) -> tuple[object, int]:
+        """The latest epoch's iterator, and the batches it yielded that its device stage has not handed on yet."""
+        it = self._ff_last() if self._ff_last is not None else None
+        staged = self._ff_staged() if self._ff_staged is not None else None
+        return it, staged.held_back if staged is not None and staged.source is it else 0
+
     def _handed(self) -> tuple[object, int]:
         """The latest epoch's iterator and how many batches it has handed to whoever iterates this loader."""
-        it = self._ff_last() if self._ff_last is not None else None
-        if it is None:
-            return None, 0
-        staged = self._ff_staged() if self._ff_staged is not None else None
-        return it, it._num_yielded - (staged.held_back if staged is not None and staged.source is it else 0)
+        it, held_back = self._latest()
+        return it, 0 if it is None else it._num_yielded - held_back
 
     def _state_before(self, behind: int) -> dict:
         """``state_dict()`` as of ``behind`` batches ago (at most ``_ff_lookahead``): the state a wrapper that
         reads ahead of its consumer saves, without draining the workers at every batch as calling
         ``state_dict()`` then would."""
         rng = _state.main_rngs(self.generator)
-        it = self._ff_last() if self._ff_last is not None else None
-        staged = self._ff_staged() if self._ff_staged is not None else None
-        held_back = (staged.held_back if staged is not None and staged.source is it else 0) + behind
+        it, held_back = self._latest()
+        held_back += behind
         state = {"version": STATE_VERSION, "epochs": self._ff_epochs, "rng": rng}
         if it is not None and (not it._finished or held_back or (self.persistent_workers and self.num_workers > 0)):
-            state.update(it.state_dict(held_back) if held_back else it.state_dict())
+            state.update(it.state_dict(held_back))
         else:
             state.update(mid_epoch=False, yielded=0, sampler_rng=None, base_seed=None, dataset=None,
                          next_worker=0, workers=None)  # fmt: skip
