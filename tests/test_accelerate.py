@@ -213,7 +213,9 @@ accelerator = Accelerator(cpu=True)
 torch.manual_seed(0)
 loader = accelerator.prepare(DataLoader(Numbers(), batch_size=4, shuffle=True, num_workers=2))
 seen = [b[0].flatten().tolist() + b[1].flatten().tolist() for b in loader]
-print("RANK", accelerator.process_index, type(loader.base_dataloader).__module__, seen, flush=True)
+# A file per rank: the two ranks' lines would interleave on torchrun's shared stdout.
+with open(f"rank{accelerator.process_index}.txt", "w") as f:
+    f.write(f"{type(loader.base_dataloader).__module__} {seen}")
 """
 
 
@@ -228,9 +230,10 @@ def test_torchrun_fastfeed_run_makes_a_scripts_torch_loaders_fastfeed_through_ac
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, check=False, cwd=tmp_path,
                               env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
-        lines = sorted(line.split(" ", 3) for line in proc.stdout.splitlines() if line.startswith("RANK "))
-        assert [rank for _, rank, _, _ in lines] == ["0", "1"], proc.stdout
-        return proc.stderr, [(module, seen) for _, _, module, seen in lines]
+        seen = [(tmp_path / f"rank{rank}.txt").read_text().split(" ", 1) for rank in range(2)]
+        for rank in range(2):
+            (tmp_path / f"rank{rank}.txt").unlink()
+        return proc.stderr, [(module, batches) for module, batches in seen]
 
     out, ours = ranks("-m", "fastfeed", "run", "train.py")
     _, theirs = ranks("train.py")
