@@ -50,7 +50,8 @@ void register_segment(py::module_& m) {
       .def_property_readonly("numa_bound", &Segment::numa_bound)
       .def_property_readonly("pinned", &Segment::pinned)
       // Registration takes milliseconds per 10 MB; other threads go on meanwhile.
-      .def("pin", &Segment::pin, nogil())
+      .def("pin", &Segment::pin, py::arg("device") = -1, nogil())
+      .def("unpin", &Segment::unpin, nogil())
       .def("__len__", &Segment::size)
       .def("__repr__",
            [](const Segment& s) {

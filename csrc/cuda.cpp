@@ -14,6 +14,7 @@ constexpr unsigned kHostRegisterPortable = 1;  // cudaHostRegisterPortable
 struct Api {
   int (*host_register)(void*, std::size_t, unsigned);
   int (*host_unregister)(void*);
+  int (*set_device)(int);
   const char* (*error_string)(int);
 };
 
@@ -36,6 +37,8 @@ std::string load(const std::string& path) {
   else if (!(api->host_unregister =
                  reinterpret_cast<decltype(api->host_unregister)>(::dlsym(handle, "cudaHostUnregister"))))
     missing = "cudaHostUnregister";
+  else if (!(api->set_device = reinterpret_cast<decltype(api->set_device)>(::dlsym(handle, "cudaSetDevice"))))
+    missing = "cudaSetDevice";
   else if (!(api->error_string =
                  reinterpret_cast<decltype(api->error_string)>(::dlsym(handle, "cudaGetErrorString"))))
     missing = "cudaGetErrorString";
@@ -50,15 +53,25 @@ std::string load(const std::string& path) {
 
 bool loaded() noexcept { return g_api.load(std::memory_order_acquire) != nullptr; }
 
-void host_register(void* ptr, std::size_t size) {
+namespace {
+
+[[noreturn]] void fail(const Api* api, const std::string& call, int err) {
+  const char* text = api->error_string(err);
+  throw CudaError(call + " failed with error " + std::to_string(err) + ": " +
+                  (text != nullptr ? text : "unknown error"));
+}
+
+}  // namespace
+
+void host_register(void* ptr, std::size_t size, int device) {
   const Api* api = g_api.load(std::memory_order_acquire);
   if (api == nullptr) throw CudaError("cudaHostRegister: the CUDA runtime is not loaded");
-  const int err = api->host_register(ptr, size, kHostRegisterPortable);
-  if (err != 0) {
-    const char* text = api->error_string(err);
-    throw CudaError("cudaHostRegister of " + std::to_string(size) + " bytes failed with error " +
-                    std::to_string(err) + ": " + (text != nullptr ? text : "unknown error"));
+  if (device >= 0) {
+    const int err = api->set_device(device);
+    if (err != 0) fail(api, "cudaSetDevice(" + std::to_string(device) + ")", err);
   }
+  const int err = api->host_register(ptr, size, kHostRegisterPortable);
+  if (err != 0) fail(api, "cudaHostRegister of " + std::to_string(size) + " bytes", err);
 }
 
 int host_unregister(void* ptr) noexcept {

@@ -25,8 +25,11 @@ std::string load(const std::string& path);
 bool loaded() noexcept;
 
 // cudaHostRegister(ptr, size, cudaHostRegisterPortable): page-locks the range for every CUDA
-// context. Throws CudaError (also when no runtime is loaded).
-void host_register(void* ptr, std::size_t size);
+// context. With device >= 0, cudaSetDevice(device) first, on the calling thread, and it stays
+// set: registration needs a context, and on the current device it would be made on GPU 0 for a
+// process that targets another (pytorch#21081). Call it from a thread of your own, never from
+// the user's. Throws CudaError (also when no runtime is loaded).
+void host_register(void* ptr, std::size_t size, int device = -1);
 
 // cudaHostUnregister. Returns the CUDA error code (0: success); never throws, because it
 // runs in destructors. A no-op returning -1 when no runtime is loaded.

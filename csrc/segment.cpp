@@ -169,16 +169,21 @@ std::unique_ptr<Segment> Segment::attach(const std::string& name_in, bool popula
   return std::unique_ptr<Segment>(new Segment(name, addr, size, false));
 }
 
-void Segment::pin() {
-  if (pinned_) return;
-  cuda::host_register(data_, size_);
-  pinned_ = true;
+void Segment::pin(int device) {
+  if (pinned()) return;
+  cuda::host_register(data_, size_, device);
+  pinned_.store(true, std::memory_order_release);
+}
+
+int Segment::unpin() noexcept {
+  if (!pinned_.exchange(false, std::memory_order_acq_rel)) return 0;
+  return cuda::host_unregister(data_);
 }
 
 Segment::~Segment() {
   // The driver must let go of the pages before they are unmapped; a failure here cannot be
   // reported (destructor) and the unmap is still right.
-  if (pinned_) cuda::host_unregister(data_);
+  unpin();
   ::munmap(data_, size_);
 }
 

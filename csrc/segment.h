@@ -2,6 +2,7 @@
 // Linux only. Policy (naming, sizing, when to unlink) belongs to the Python side.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -43,11 +44,16 @@ class Segment {
   void* data() const noexcept { return data_; }
   std::size_t size() const noexcept { return size_; }
   bool numa_bound() const noexcept { return numa_bound_; }
-  bool pinned() const noexcept { return pinned_; }
+  bool pinned() const noexcept { return pinned_.load(std::memory_order_acquire); }
 
   // Page-locks the whole mapping with cudaHostRegister, once (later calls do nothing), so
-  // copies to a GPU are DMA from it. Destruction unregisters before it unmaps. Throws CudaError.
-  void pin();
+  // copies to a GPU are DMA from it; under `device` when >= 0 (see cuda::host_register: it
+  // sets the calling thread's device). Destruction unregisters before it unmaps. Throws
+  // CudaError. Not to be called concurrently with unpin() on the same segment.
+  void pin(int device = -1);
+  // Unregisters now, if pinned (so that a thread of the caller's choosing pays for it, not
+  // the destructor's). Returns CUDA's error code, 0 when there was nothing to do.
+  int unpin() noexcept;
 
  private:
   Segment(std::string name, void* data, std::size_t size, bool numa_bound)
@@ -57,7 +63,7 @@ class Segment {
   void* data_;
   std::size_t size_;
   bool numa_bound_;
-  bool pinned_ = false;
+  std::atomic<bool> pinned_{false};  // read by any thread (ring owners poll it)
 };
 
 // "/x" or "x" -> "/x", a POSIX shm name. An absolute path ("/dir/x") names a file-backed

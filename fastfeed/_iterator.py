@@ -25,7 +25,7 @@ from torch.utils.data._utils.pin_memory import pin_memory
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_init_fn
 
 from . import _pinning, _state, affinity, config, stats
-from ._ring import layout
+from ._ring import fence, layout
 from ._workers import messages as m
 from ._workers.loop import WorkerSpec, preload, worker_main
 from ._workers.pool import STATUS_CHECK_S, Pool, WorkerDied
@@ -44,6 +44,18 @@ class _Task:
         self.memory = None  # where its batch lies (Ring.receive), once received
 
 
+def _cuda_index(stage, pin_memory_device: str) -> int:
+    """The CUDA device index batches are headed for: the stage's, pin_memory_device's, or the current one."""
+    if stage is not None:
+        return stage.device.index if stage.device.type == "cuda" else -1
+    named = torch.device(pin_memory_device or "cuda")
+    if named.type != "cuda":
+        return -1
+    if named.index is not None:
+        return named.index
+    return torch.cuda.current_device() if torch.cuda.is_available() else -1
+
+
 # Iterators whose workers must be stopped, and segments unlinked, at exit.
 _live: weakref.WeakSet = weakref.WeakSet()
 
@@ -58,7 +70,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
     def __init__(self, loader, ring_for, resume: dict | None = None, stage=None, indices=None,
                  base_seed: int | None = None) -> None:  # fmt: skip
         """Args:
-        ring_for: ``ring_for(quiet, pin, numa_node)``, the loader's ring (see ``Ring``).
+        ring_for: ``ring_for(quiet, pin, numa_node, device)``, the loader's ring (see ``Ring``).
         resume: a ``DataLoader.state_dict()`` to start from, or None.
         stage: the device stage's plan, or None.
         indices: batch indices to take instead of the sampler's (an online tuner's share
@@ -100,9 +112,14 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         self._keep_ended = self._staged or loader._ff_lookahead > 0  # states from before a worker's end are asked
         self._yield_log = collections.deque(maxlen=held)  # (worker, last tasks) before each yield
         cuda_slots = stage.device.type == "cuda" if stage else self._pin_memory_device == "cuda"
+        device = _cuda_index(stage, self._pin_memory_device)
         # Workers, their memory and the ring go on the GPU's NUMA node (loader.numa_plan).
         where = affinity.placement(loader.numa_plan)
-        self._ring = ring_for(quiet, self._pin_slots(cuda_slots), None if where is None else where.node)
+        pin = self._pin_slots(cuda_slots, device)
+        self._ring = ring_for(quiet, pin, None if where is None else where.node, device)
+        # Without a device stage the user copies from pinned slots: each is rewritten only after those copies ran.
+        # A stage keeps each CPU batch until its own copy's event completed, which is the same guarantee.
+        self._ring.fence = fence.fence_for(device) if pin and not self._staged else None
         spec = WorkerSpec(
             self._num_workers, self._dataset_kind, self._dataset, self._auto_collation, self._collate_fn,
             use_slot_collate, self._drop_last, self._base_seed, init_fn, self._shared_seed, self._ring.prefix,
@@ -139,11 +156,11 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         self._pool = pool
         self._reset(loader, first_iter=True)
 
-    def _pin_slots(self, wanted: bool) -> bool:
-        """Whether to register the ring with CUDA (else pin_memory copies, as torch does)."""
+    def _pin_slots(self, wanted: bool, device: int) -> bool:
+        """Whether to register the ring with CUDA, under ``device`` (else pin_memory copies, as torch does)."""
         if not (wanted and (self._pin_memory or self._staged)):
             return False
-        why_not = _pinning.enable()
+        why_not = _pinning.enable(device)
         if why_not:
             warnings.warn(f"fastfeed cannot pin its ring with cudaHostRegister ({why_not}); "
                           "batches are pinned by copying instead, as torch does", stacklevel=4)  # fmt: skip
@@ -322,6 +339,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
     def _next_data(self):
         if self._shutdown:
             raise StopIteration
+        self._ring.poll()  # slots whose copies have run go back before workers look for one
         try:
             rec = self._stats
             if rec is None or not self._timed:

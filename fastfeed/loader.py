@@ -162,7 +162,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         if self.tune_result is None or self.num_workers != self.tune_result.num_workers:
             super().check_worker_number_rationality()
 
-    def _ring_for(self, quiet: int, pin: bool, numa_node: int | None) -> Ring:
+    def _ring_for(self, quiet: int, pin: bool, numa_node: int | None, device: int = -1) -> Ring:
         """The ring of batch slots for a new iterator: the last one, unless another iterator still writes into it.
 
         Kept from one epoch to the next, so a new epoch's workers (``persistent_workers=False``
@@ -170,8 +170,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         on its NUMA node. It goes when the loader does.
         """
         ring = self._ff_ring
-        if ring is None or not ring.fits(pin, numa_node):
-            ring = self._ff_ring = Ring(quiet, pin, numa_node)
+        if ring is None or not ring.fits(pin, numa_node, device):
+            ring = self._ff_ring = Ring(quiet, pin, numa_node, device)
         else:
             ring.set_quiet(quiet)
         ring.in_use = True

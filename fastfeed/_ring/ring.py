@@ -7,7 +7,12 @@ a worker stuck on a slow sample holds one slot, not the others' window. When no 
 is free, or the one claimed is too small, the worker writes into a segment of its own
 making; the ring adopts that segment as a new slot (or as the larger replacement of
 the small one). A slot is freed when the last tensor viewing it dies (its ``Lease``
-is destroyed), or at once when its batch is not returned.
+is destroyed), or at once when its batch is not returned. A pinned slot is freed only once
+the copies queued from it have run (``fence.py``).
+
+Pinned rings register each segment once, in a thread of the main process under the target
+device (``pinner.py``), never in the loop's thread. One-off segments (past ``MAX_SLOTS``) are
+never registered: their batch is copied once, like torch's, which costs less than registering.
 
 The ring belongs to the DataLoader, not to one epoch's iterator: the next epoch's
 workers write into slots that are already allocated, touched, pinned and on the
@@ -16,13 +21,14 @@ right NUMA node. It is released when the loader is.
 
 from __future__ import annotations
 
+import collections
 import warnings
 import weakref
 
 import torch
 
 from .._native import C
-from . import segments
+from . import pinner, segments
 from .control import MAX_SLOTS, Control
 
 
@@ -48,12 +54,13 @@ class Ring:
         quiet: slots a loop needs when it keeps no batch (tasks in flight, batches a
             device stage holds, and the two a ``for`` loop holds while it asks for the
             next); past that, batches are being kept, and the ring says so once.
-        pin: register every segment the ring maps with CUDA (cudaHostRegister), once;
+        pin: register every slot segment the ring maps with CUDA (cudaHostRegister), once;
             the CUDA runtime must be loaded (``fastfeed._pinning.enable``).
         numa_node: the node the ring's memory belongs on (workers bind what they create).
+        device: the CUDA device index registration happens under (-1: the default device).
     """
 
-    def __init__(self, quiet: int, pin: bool = False, numa_node: int | None = None):
+    def __init__(self, quiet: int, pin: bool = False, numa_node: int | None = None, device: int = -1):
         global _reclaimed
         if not _reclaimed:
             # Once per process: segments of fastfeed processes that were killed
@@ -68,15 +75,27 @@ class Ring:
         self.set_quiet(quiet)
         self.pin = pin
         self.numa_node = numa_node
+        self.device = device
+        self._pinner = pinner.for_device(device) if pin else None
+        self._failures_seen = 0 if self._pinner is None else len(self._pinner.failures)
+        # Set by each iterator: guards pinned slots the user copies from (fence.py); None when nothing does.
+        self.fence = None
+        # (fence, event, slot id, segment) of pinned slots whose last view died while a copy may still read them.
+        # Appended from whichever thread drops a view, taken by poll(): deque appends and pops are atomic.
+        self._fenced: collections.deque = collections.deque()
+        # A ring collected with copies still reading its slots waits for them before its segments are unmapped.
+        weakref.finalize(self, _settle, self._fenced)
         # Slots some tensor views. Leases discard from whichever thread drops the last
         # view; set.add and set.discard are atomic under the GIL, so no lock is needed.
         self._lent: set[int] = set()
         self._warned = False
+        self._failed = False  # a registration failed, and the ring said so
         self.in_use = False  # an iterator's workers are writing into it
 
-    def fits(self, pin: bool, numa_node: int | None) -> bool:
+    def fits(self, pin: bool, numa_node: int | None, device: int = -1) -> bool:
         """Whether an iterator with these needs can take this ring over."""
-        return not self.in_use and (pin, numa_node) == (self.pin, self.numa_node) and self._finalizer.alive
+        same = (pin, numa_node, device if pin else -1) == (self.pin, self.numa_node, self.device if self.pin else -1)
+        return not self.in_use and same and self._finalizer.alive
 
     def receive(self, slot_id: int | None, made: str | None):
         """The memory a worker wrote a batch into: a ``Slot``, or a one-off segment.
@@ -89,11 +108,14 @@ class Ring:
         if made is None:
             return self._slots[slot_id]
         # Mapped lazily: pages are mapped as they are read.
-        seg = self.pinned(segments.attach(made, populate=False))
+        seg = segments.attach(made, populate=False)
         if slot_id is not None:  # the claimed slot was too small: the new segment replaces it
             slot = self._slots[slot_id]
             segments.unlink(slot.segment.name)  # its mapping lives on while anything views it
-            slot.segment = seg
+            old, slot.segment = slot.segment, seg
+            if self._pinner is not None:  # claimed, so free: no view and no copy reads it
+                self._pinner.unpin(old)
+            del old
         elif len(self._slots) < MAX_SLOTS:
             slot = Slot(len(self._slots), seg)
             self._slots.append(slot)
@@ -101,6 +123,8 @@ class Ring:
         else:
             segments.unlink(made)  # mapped now; the name is no longer needed
             return seg
+        if self._pinner is not None:
+            self._pinner.pin(seg)
         self.control.publish(slot.slot_id, seg.name, seg.size)
         return slot
 
@@ -113,7 +137,8 @@ class Ring:
         self.control.set_wait_at(quiet - 2)
 
     def _warn_if_kept(self) -> None:
-        if len(self._slots) > self.quiet and not self._warned:
+        # Slots held only until a copy has read them are the pinned path's, not the user's keeping.
+        if len(self._slots) - len(self._fenced) > self.quiet and not self._warned:
             self._warned = True
             warnings.warn(
                 f"fastfeed's ring of batch slots is growing past the {self.quiet} slots this loader needs: "
@@ -124,12 +149,6 @@ class Ring:
                 stacklevel=6,
             )
 
-    def pinned(self, segment):
-        """``segment``, registered with CUDA if this ring pins (a one-off segment too)."""
-        if self.pin:
-            segment.pin()
-        return segment
-
     def segment(self, slot_id: int):
         """The segment of slot ``slot_id`` (what a worker thread writes into, mapped once)."""
         return self._slots[slot_id].segment
@@ -138,14 +157,43 @@ class Ring:
         """A uint8 tensor over a slot (or one-off segment) from ``receive``; a slot is freed when it and all its views die."""
         if not isinstance(memory, Slot):
             return torch.frombuffer(memory, dtype=torch.uint8)
-        slot_id, lent, control = memory.slot_id, self._lent, self.control
+        slot_id, lent, control, segment = memory.slot_id, self._lent, self.control, memory.segment
+        fence, fenced = (self.fence if self.pin else None), self._fenced
         lent.add(slot_id)
 
         def free():
+            if fence is not None:
+                try:
+                    fenced.append((fence, fence.record(), slot_id, segment))  # stays in `lent` until poll()
+                    return
+                except Exception:  # noqa: BLE001 - CUDA torn down (exit) or broken: nothing copies any more
+                    pass
             lent.discard(slot_id)
             control.release(slot_id)
 
         return torch.frombuffer(C.Lease(memory.segment, free), dtype=torch.uint8)
+
+    def poll(self) -> None:
+        """Free the fenced slots whose copies have completed, and report failed registrations (never waits)."""
+        fenced = self._fenced
+        for _ in range(len(fenced)):
+            entry = fenced.popleft()
+            if entry[0].done(entry[1]):
+                self._lent.discard(entry[2])
+                self.control.release(entry[2])
+            else:
+                fenced.append(entry)
+        if self._pinner is not None and len(self._pinner.failures) > self._failures_seen:
+            self._failures_seen = len(self._pinner.failures)
+            if not self._failed:
+                self._failed = True
+                warnings.warn(
+                    f"fastfeed could not register a ring segment with CUDA ({self._pinner.failures[-1]}); batches "
+                    "in such segments are not pinned, and pin_memory=True copies them into pinned memory as torch "
+                    "does. Locked memory may be exhausted (ulimit -l), or the GPU virtualised.",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
 
     def release(self, memory) -> None:
         """Return what ``receive`` gave when its batch is not handed out."""
@@ -166,4 +214,15 @@ class Ring:
     def close(self) -> None:
         """Unlink every name this ring or its workers created; live views stay valid."""
         self._finalizer()
+        _settle(self._fenced)
         self._slots.clear()
+
+
+def _settle(fenced: collections.deque) -> None:
+    """Wait for the copies that still read fenced slots, then let their segments go."""
+    while fenced:
+        fence, event, _, _ = fenced.popleft()
+        try:
+            fence.wait(event)
+        except Exception:  # noqa: BLE001 - at exit CUDA may be gone already, and the copies with it
+            pass
