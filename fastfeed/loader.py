@@ -24,7 +24,7 @@ from ._ring.ring import Ring
 from ._single import SingleProcessIter
 from .io import gds
 from .io.arrays import ArrayFiles
-from .io.direct import GdsFetcher
+from .io import direct
 from .tuning import auto as tuning_auto
 from .tuning.online import TuningIter
 
@@ -54,9 +54,11 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             the copy (the host does not). Non-tensor leaves pass through unchanged.
         device_transform: a callable applied to each batch on the device, on the copy
             stream, before you see it (e.g. ``fastfeed.transforms.ImageNormalize``: PCIe
-            then carries uint8, 4x fewer bytes than float32).
+            then carries uint8, 4x fewer bytes than float32). With ``reader="gds"``, on the
+            read stream, once the batch is read.
         device_prefetch: batches copied ahead of the one you are given, when they are
-            ready (default 1; with ``num_workers=0`` there is no lookahead).
+            ready (default 1; with ``num_workers=0`` there is no lookahead). With
+            ``reader="gds"``: batches read ahead by the reader thread.
         numa: where workers run. ``"auto"`` (default): when a CUDA device is targeted
             (``device="cuda"``, or ``pin_memory=True`` with CUDA), workers run on CPUs of the
             GPU's NUMA node, split with the other local ranks (torchrun's ``LOCAL_RANK``,
@@ -77,9 +79,12 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         """``num_workers`` and ``prefetch_factor`` also take ``"auto"``: see ``fastfeed.tuning.auto``.
 
         ``reader`` (an ``ArrayFiles`` dataset only): ``"gds"`` reads each batch from disk straight into the
-        ``device`` with kvikio (GPUDirect Storage) in the loop's thread (``num_workers`` is moot); ``"posix"``
-        reads with ``pread`` in the workers, into the ring, copied to the device on the side stream; ``"auto"`` takes GDS
-        where kvikio, libcuda and a GPU are present (``fastfeed info`` says which). None: the usual path.
+        ``device`` with kvikio (GPUDirect Storage), in a reader thread ``device_prefetch`` batches ahead, into a
+        small pool of device buffers; ``device_transform`` runs on the read stream, and your stream waits for
+        the read (the host does not); kvikio's thread pool gets this rank's CPUs (``num_workers`` is moot, see
+        ``fastfeed.io.direct``). ``"posix"`` reads with ``pread`` in the workers, into the ring, copied to the
+        device on the side stream. ``"auto"`` takes GDS where kvikio, libcuda and a GPU are present (``fastfeed
+        info`` says which). None: the usual path.
         """
         if worker_type not in WORKER_TYPES:
             raise ValueError(f"worker_type must be one of {WORKER_TYPES}, got {worker_type!r}")
@@ -112,7 +117,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         accelerate.watch(self)
 
     def _read_direct(self) -> None:
-        """GDS: batches are read into device memory in the loop's thread, so there are no workers to start."""
+        """GDS: batches are read into device memory by the iterator's reader thread, so there are no workers."""
         self.reader = "gds"
         self.num_workers = 0
 
@@ -127,6 +132,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     _ff_ring = None  # the ring of batch slots, kept across epochs
     _ff_stats = None  # the latest iterator's stats.Recorder
     _ff_lookahead = 0  # batches a wrapper around this loader reads ahead of its consumer (fastfeed.accelerate)
+    _ff_gds_threads = None  # reader="gds": kvikio's threads, this rank's CPUs (the NUMA plan's share)
 
     def stats(self) -> stats.Stats:
         """What the latest iterator measured: throughput, stall fraction, waits, steps, workers' load.
@@ -145,10 +151,15 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                     "the tuned values (loader.tune_result.loader_kwargs() of the run that saved the state)"
                 )
             return TuningIter(self, self._ff_tuner)
-        if self.reader == "gds":  # batches read into device memory here: torch's single-process machinery
-            it = SingleProcessIter(self, resume)
-            it._dataset_fetcher = GdsFetcher(self.dataset, self.device, self._auto_collation)
-            return it
+        if self.reader == "gds":  # read into device memory by a reader thread, under torch's single-process machinery
+            if self._ff_gds_threads is None:
+                from .tuning.offline import rank_cpus
+
+                self._ff_gds_threads = rank_cpus({"device": self.device, "numa": self.numa})
+            stage = self._ff_stage
+            ahead, transform = (1, None) if stage is None else (stage.ahead, stage.transform)
+            return direct.GdsIter(self, resume, direct.device_for(self.device), ahead, transform,
+                                  self._ff_gds_threads)  # fmt: skip
         if self.num_workers == 0:
             return SingleProcessIter(self, resume)  # torch's single-process iterator, plus a state
         self.check_worker_number_rationality()
@@ -199,7 +210,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         if it._stats is not None and it._stats is self._ff_stats:  # persistent workers: a new epoch
             it._stats = stats.recorder(it._num_workers, self.prefetch_factor if it._num_workers else None)
         self._ff_stats = it._stats
-        if self._ff_stage is None or self.reader == "gds":  # GDS batches are on the device already
+        # GDS batches are read onto the device, device_transform and device_prefetch applied by the reader thread.
+        if self._ff_stage is None or self.reader == "gds":
             return it
         if self._ff_copier is None:
             self._ff_copier = transfer.copier_for(self._ff_stage)

@@ -1,20 +1,14 @@
-"""ArrayFiles (fixed-size records read with pread) against numpy, and GdsReader against a fake kvikio.
+"""ArrayFiles (fixed-size records read with pread) against numpy.
 
 The POSIX path is exercised for real: raw and .npy files, windows across files, errors, read_into, pickling,
-worker processes and samplers. GPUDirect Storage needs a driver, a GPU and kvikio, none of which exist here,
-so GdsReader runs against a fake ``kvikio`` module whose ``CuFile`` logs each call and fills the (CPU)
-destination tensor from the real file.
+worker processes and samplers. The GPUDirect Storage path is in test_io_gds.py.
 """
 
 from __future__ import annotations
 
-import gc
 import math
 import os
 import pickle
-import sys
-import types
-from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -22,10 +16,7 @@ import torch
 import torch.utils.data as tud
 
 import fastfeed
-from fastfeed.io import gds
 from fastfeed.io.arrays import ArrayFiles
-
-PAGE = 4096
 
 
 @pytest.fixture
@@ -277,209 +268,3 @@ def test_distributed_sampler_shards_cover_the_dataset(tmp_path, arrays):
         assert np.array_equal(loaded.numpy(), np.stack([reference[i : i + 3] for i in indices]))
         seen.update(indices)
     assert seen == set(range(len(ds)))
-
-
-# --- GPUDirect Storage ---------------------------------------------------------------------------------------
-
-
-def test_posix_path_never_imports_kvikio(tmp_path, arrays):
-    """Reading with ArrayFiles and choosing a reader without GDS leave kvikio unimported."""
-    if "kvikio" in sys.modules:
-        pytest.skip("kvikio was already imported by something else")
-    paths, _ = tokens(tmp_path, [8], "n")
-    samples(arrays(paths, np.uint16, (), window=2))
-    assert gds.choose("posix") == "posix"
-    if not gds.available()[0]:
-        assert gds.choose("auto") == "posix"
-    assert "kvikio" not in sys.modules
-
-
-def test_available_says_why_not_here():
-    """Without kvikio or a driver, available() is False and names what is missing."""
-    ok, why = gds.available()
-    if ok:
-        pytest.skip("GPUDirect Storage is available on this machine")
-    assert "kvikio is not installed" in why or "libcuda.so.1" in why or "torch.cuda" in why
-
-
-def test_choose_without_gds(monkeypatch):
-    """Without a driver, "auto" picks posix, "gds" raises saying why and suggesting posix, others are refused."""
-    monkeypatch.setattr(gds, "_libcuda_loads", lambda: False)
-    assert gds.choose("auto") == "posix"
-    assert gds.choose("posix") == "posix"
-    with pytest.raises(RuntimeError, match=r"reader='gds', but .*libcuda\.so\.1 does not load.*Use reader='posix'"):
-        gds.choose("gds")
-    with pytest.raises(ValueError, match="choose one of 'auto', 'gds', 'posix'"):
-        gds.choose("nvme")
-
-
-def test_gds_reader_refuses_without_gds(tmp_path, arrays, monkeypatch):
-    """GdsReader will not start (nor import kvikio) where GDS cannot work."""
-    monkeypatch.setattr(gds, "_libcuda_loads", lambda: False)
-    paths, _ = tokens(tmp_path, [8], "r")
-    with pytest.raises(RuntimeError, match="GPUDirect Storage cannot work here: .*libcuda"):
-        gds.GdsReader(arrays(paths, np.uint16, ()))
-
-
-@dataclass
-class Pread:
-    path: str
-    size: int
-    file_offset: int
-    pointer: int  # where in (stand-in) device memory the read lands
-
-
-@dataclass
-class KvikioLog:
-    opened: list[str] = field(default_factory=list)
-    closed: list[str] = field(default_factory=list)
-    preads: list[Pread] = field(default_factory=list)
-
-
-def fake_kvikio(log: KvikioLog) -> types.ModuleType:
-    """A kvikio module whose CuFile has the real signatures, logs calls and fills CPU tensors from the file."""
-
-    class Future:
-        def __init__(self, nbytes: int):
-            self.nbytes = nbytes
-
-        def get(self) -> int:
-            return self.nbytes
-
-    class CuFile:
-        def __init__(self, path: str, flags: str = "r"):
-            assert flags == "r"
-            self.path, self.fd = path, os.open(path, os.O_RDONLY)
-            log.opened.append(path)
-
-        def pread(self, buf, size=None, file_offset=0, task_size=None) -> Future:
-            assert isinstance(buf, torch.Tensor) and buf.dtype == torch.uint8 and buf.is_contiguous()
-            size = buf.numel() if size is None else size
-            assert size <= buf.numel()
-            log.preads.append(Pread(self.path, size, file_offset, buf.data_ptr()))
-            data = os.pread(self.fd, size, file_offset)
-            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            return Future(len(data))
-
-        def close(self) -> None:
-            os.close(self.fd)
-            log.closed.append(self.path)
-
-    module = types.ModuleType("kvikio")
-    module.CuFile = CuFile
-    return module
-
-
-@pytest.fixture
-def kvikio_log(monkeypatch) -> KvikioLog:
-    """Installs the fake kvikio and makes available() see a driver and a CUDA device."""
-    log = KvikioLog()
-    monkeypatch.setitem(sys.modules, "kvikio", fake_kvikio(log))
-    monkeypatch.setattr(gds, "_libcuda_loads", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    return log
-
-
-def page_aligned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised tensor starting on a page boundary, standing in for a fresh device allocation."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
-    skip = -raw.data_ptr() % PAGE
-    return raw[skip : skip + nbytes].view(dtype).view(shape)
-
-
-def test_gds_aligned_records_read_straight_into_the_batch(tmp_path, arrays, kvikio_log):
-    """Page-sized records: one pread per contiguous range, straight into an aligned batch, files opened once."""
-    data = np.random.default_rng(3).normal(size=(9, 1024)).astype(np.float32)  # 4 KiB records
-    paths = [write_raw(tmp_path / "a.bin", data[:5]), write_raw(tmp_path / "b.bin", data[5:])]
-    ds = arrays(paths, np.float32, (1024,))
-    assert gds.choose("auto") == "gds"
-    with gds.GdsReader(ds) as reader:
-        indices = [0, 1, 2, 6, 7, 8, 4]
-        out = page_aligned_empty((len(indices), 1024), torch.float32)
-        reader.read_batch(indices, out)
-        assert torch.equal(out, torch.stack([ds[i] for i in indices]))
-        base = out.data_ptr()
-        assert kvikio_log.preads == [
-            Pread(paths[0], 3 * PAGE, 0, base),
-            Pread(paths[1], 3 * PAGE, PAGE, base + 3 * PAGE),
-            Pread(paths[0], PAGE, 4 * PAGE, base + 6 * PAGE),
-        ]
-        assert reader.stats == {"batches": 1, "aligned": 3, "widened": 0, "bytes_wanted": 7 * PAGE,
-                                "bytes_read": 7 * PAGE}
-        misaligned = page_aligned_empty((3, 1024), torch.float32).view(-1)[16 : 16 + 2048].view(2, 1024)
-        reader.read_batch([3, 5], misaligned)  # the batch itself is off a page: both reads go through scratch
-        assert torch.equal(misaligned, torch.stack([ds[3], ds[5]]))
-        assert reader.stats["aligned"] == 3 and reader.stats["widened"] == 2
-        assert kvikio_log.opened == paths
-    assert sorted(kvikio_log.closed) == sorted(paths)
-
-
-def test_gds_unaligned_windows_are_widened_to_pages(tmp_path, arrays, kvikio_log):
-    """Token windows at odd offsets are read as whole pages into aligned scratch and match __getitem__ exactly."""
-    window = 2049  # 4098 bytes: no window is page-aligned at both ends
-    paths, _ = tokens(tmp_path, [3000, 5000, 2500], "nrn")
-    ds = arrays(paths, np.uint16, (), window=window)
-    indices = [0, 2999, 10, len(ds) - 1, 6000, 2500, 2500, 7001]  # across files, up to the data's last token
-    out = page_aligned_empty((len(indices), window), torch.uint16)
-    with gds.GdsReader(ds) as reader:
-        reader.read_batch(indices, out)
-        ranges = ds.ranges(indices)
-        assert torch.equal(out, torch.stack([ds[i] for i in indices]))
-        assert len(kvikio_log.preads) == len(ranges)  # one pread per contiguous range
-        sizes = {path: os.path.getsize(path) for path in paths}
-        for call in kvikio_log.preads:
-            assert call.file_offset % PAGE == 0 and call.pointer % PAGE == 0
-            assert call.size % PAGE == 0 or call.file_offset + call.size == sizes[call.path]
-        assert reader.stats["aligned"] == 0 and reader.stats["widened"] == len(ranges)
-        assert reader.stats["bytes_wanted"] == len(indices) * window * 2 < reader.stats["bytes_read"]
-        assert kvikio_log.opened == paths
-
-
-def test_the_loaders_gds_path_yields_the_posix_batches_and_resumes(tmp_path, arrays, kvikio_log):
-    """DataLoader(reader="gds") through the fake kvikio (a CPU tensor standing in for device memory): the same
-    shuffled batches as the usual path, no worker started, and state_dict() resumes mid-epoch."""
-    import fastfeed
-
-    paths, _ = tokens(tmp_path, [3000, 5000], "rr")
-    ds = arrays(paths, np.uint16, (), window=257)
-
-    def gds_loader():
-        loader = fastfeed.DataLoader(ds, batch_size=8, shuffle=True, num_workers=2, reader="posix")
-        loader.device = torch.device("cpu")  # what device="cuda" gives on a GPU
-        loader._read_direct()
-        return loader
-
-    torch.manual_seed(5)
-    expected = [b.clone() for b in fastfeed.DataLoader(ds, batch_size=8, shuffle=True)]
-    torch.manual_seed(5)
-    loader = gds_loader()
-    it = iter(loader)
-    assert type(it).__name__ == "SingleProcessIter"
-    got = [next(it).clone() for _ in range(3)]
-    state = loader.state_dict()
-    got += [b.clone() for b in it]
-    assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
-    assert kvikio_log.preads  # the batches came through kvikio
-    resumed = gds_loader()
-    resumed.load_state_dict(state)
-    rest = [b.clone() for b in resumed]
-    assert all(torch.equal(a, b) for a, b in zip(rest, expected[3:])) and len(rest) == len(expected) - 3
-    del it, loader, resumed
-    gc.collect()
-    assert sorted(kvikio_log.closed) == sorted(kvikio_log.opened)  # each epoch's reader closed its files
-
-
-def test_reader_asks_for_arrayfiles_and_a_gpu_for_gds(tmp_path, arrays):
-    """reader= on another dataset, an unknown reader, or GDS here are clear errors; "auto" without a GPU is POSIX."""
-    import fastfeed
-
-    paths, _ = tokens(tmp_path, [600], "r")
-    ds = arrays(paths, np.uint16, (), window=16)
-    assert fastfeed.DataLoader(ds, batch_size=4, reader="auto").reader == "posix"
-    with pytest.raises(ValueError, match="reads fastfeed.io.ArrayFiles"):
-        fastfeed.DataLoader(list(range(8)), reader="posix")
-    with pytest.raises(ValueError, match="choose one of"):
-        fastfeed.DataLoader(ds, reader="fast")
-    with pytest.raises(RuntimeError, match="GPUDirect Storage cannot work here"):
-        fastfeed.DataLoader(ds, batch_size=4, reader="gds")
