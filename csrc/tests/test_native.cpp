@@ -342,7 +342,7 @@ void test_unlink_true_then_false() {
 }
 
 // Without a CUDA runtime (this test never loads a real one): loading reports why, pinning
-// throws CudaError and leaves the segment unpinned, and its destructor does not unregister.
+// throws CudaError and leaves the segment unpinned, and neither unpin() nor its destructor unregisters.
 void test_cuda_runtime_absent() {
   CHECK(!fastfeed::cuda::loaded());
   const std::string missing = fastfeed::cuda::load("/nonexistent/libcudart.so.12");
@@ -362,6 +362,7 @@ void test_cuda_runtime_absent() {
     }
     CHECK(threw);
     CHECK(!s->pinned());
+    CHECK(s->unpin() == 0);  // nothing registered: nothing to undo, and no runtime is called
   }
   CHECK(fastfeed::unlink_segment(name));
 }
