@@ -56,14 +56,13 @@ def table(summary: dict, names: tuple[str, str]) -> str:
     cand, base = names
     rows = [f"{cand}/{base} ratios, median over rounds; throughput (min-max) and absolute medians",
             f"{'':28}{'throughput':>20}" + "".join(f"{title:>11}" for _, title in COLUMNS)
-            + f"{cand:>17}{base:>17}  bar"]
+            + f"{cand:>17}{base:>17}"]
     for key, figs in summary.items():
         tput = figs["throughput"]
         spread = "" if tput["min"] is None else f" ({tput['min']:.2f}-{tput['max']:.2f})"
-        bars = [f"{f} {s['bar']}x {'ok' if s['meets_bar'] else 'MISSED'}" for f, s in figs.items() if "bar" in s]
         rows.append(f"{key:28}{_ratio(tput) + spread:>20}" + "".join(f"{_ratio(figs[f]):>11}" for f, _ in COLUMNS)
                     + f"{_runner.fmt(tput['candidate']):>9} {tput['unit']:<7}"
-                    + f"{_runner.fmt(tput['baseline']):>9} {tput['unit']:<7}  " + ", ".join(bars))
+                    + f"{_runner.fmt(tput['baseline']):>9} {tput['unit']:<7}")
     return "\n".join(row.rstrip() for row in rows)
 
 

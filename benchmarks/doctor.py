@@ -129,8 +129,11 @@ def main(argv=None) -> dict:
     s = result["speed"]
     print(f"| fastfeed doctor --demo, end to end | {s['seconds']:.0f} s | < {SPEED_BAR_S:.0f} s "
           f"{'ok' if s['meets_bar'] else 'MISSED'} |")
-    print(f"\n{s['verdict']}\nclosing the loop: {s['closing']}: predicted {s['predicted_gain']:.2f}x, "
-          f"measured {s['measured_gain']:.2f}x")
+    if s["closing"] is None:  # the verdict advised no setting to force (on a saturated machine: cheaper samples)
+        print(f"\n{s['verdict']}\nclosing the loop: no setting advised, nothing to re-run")
+    else:
+        print(f"\n{s['verdict']}\nclosing the loop: {s['closing']}: predicted {s['predicted_gain']:.2f}x, "
+              f"measured {s['measured_gain']:.2f}x")
     return result
 
 

@@ -5,10 +5,15 @@ from torch.utils.data import get_worker_info
 from . import doctor, io, transforms
 from ._ring.ring import RingGrowthWarning
 from .loader import DataLoader
+from ._version import __version__
 from .stats import Stats
-from .tuning import TuneResult, load_config, tune
+from .tuning import TuneResult, load_config, offline, tune
 
-__version__ = "0.1.0"
+from . import accelerate  # noqa: E402  (registers its watcher on the loader's hook: it depends on the loader)
+
+offline.use_loader(DataLoader)  # what fastfeed.tune() measures: tuning/ never imports the loader
+del offline
+
 
 __all__ = [
     "DataLoader", "RingGrowthWarning", "Stats", "TuneResult", "__version__", "doctor", "get_worker_info", "io",

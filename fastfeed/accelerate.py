@@ -29,6 +29,9 @@ import sys
 import warnings
 import weakref
 
+from . import _hooks
+from .loader import DataLoader  # the watcher depends on the loader, never the reverse (the loader calls _hooks)
+
 MODULE = "accelerate.data_loader"
 
 _loaders: weakref.WeakSet = weakref.WeakSet()  # every fastfeed loader alive: the sources a rebuild can come from
@@ -38,7 +41,8 @@ _off = False  # uninstall() was called: loaders made since do not patch Accelera
 
 
 def watch(loader) -> None:
-    """Called for each fastfeed loader made: patch Accelerate now if it is imported, else when it is."""
+    """Called for each fastfeed loader made (through ``fastfeed._hooks``): patch Accelerate now if it is imported,
+    else when it is."""
     _loaders.add(loader)
     if _saved is not None or _watching is not None or _off:
         return
@@ -96,8 +100,6 @@ def uninstall() -> None:
 
 
 def _is_fastfeed(obj) -> bool:
-    from .loader import DataLoader
-
     return isinstance(obj, DataLoader)
 
 
@@ -145,8 +147,6 @@ def _cannot_keep(source, stateful: bool) -> str | None:
 
 def _rebuild(source, dataset, batch_sampler, kwargs):
     """fastfeed's loader with Accelerate's arguments and ``source``'s own."""
-    from .loader import DataLoader
-
     ours = dict(source._ff_made, worker_type=source.worker_type, numa=source.numa, reader=source.reader)
     auto = source._ff_auto
     if auto is not None and source._ff_tuner is not None:  # not settled: the new loader tunes too
@@ -217,3 +217,6 @@ def _stop_watching() -> None:
     if _watching is not None and _watching in sys.meta_path:
         sys.meta_path.remove(_watching)
     _watching = None
+
+
+_hooks.on_loader_made(watch)

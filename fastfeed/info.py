@@ -9,14 +9,19 @@ import shutil
 
 import torch
 
-from . import __version__, _native, config, topology
+from . import _native, config, topology
+from ._version import __version__
 
 _ENV = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
 
 
 def _package(module: str, dist: str) -> str | None:
-    """The installed version of an optional package, or None; never imports it."""
-    if importlib.util.find_spec(module.split(".")[0]) is None:
+    """The installed version of an optional package, or None; never imports it (only a namespace parent)."""
+    # The module itself, not its top level: "nvidia" is there whenever any nvidia-* wheel is, DALI or not.
+    try:
+        if importlib.util.find_spec(module) is None:
+            return None
+    except (ImportError, ValueError):  # a parent that is not a package, or does not import
         return None
     try:
         return importlib.metadata.version(dist)

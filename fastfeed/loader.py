@@ -18,10 +18,11 @@ import torch
 import torch.utils.data
 from torch.utils.data import IterDataPipe, MapDataPipe
 
-from . import _state, accelerate, affinity, stats, transfer
+from . import _hooks, _state, affinity, stats, transfer
 from ._iterator import RingDataLoaderIter
 from ._ring.ring import Ring
 from ._single import SingleProcessIter
+from ._workers import WORKER_TYPES
 from .io import gds
 from .io.arrays import ArrayFiles
 from .io import direct
@@ -29,7 +30,6 @@ from .tuning import auto as tuning_auto
 from .tuning.online import TuningIter
 
 STATE_VERSION = 1
-WORKER_TYPES = ("process", "thread")
 
 _T_co = TypeVar("_T_co", covariant=True)  # what the loader yields, as torch's DataLoader[_T_co]
 
@@ -114,7 +114,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             self._read_direct()
         if auto is not None:
             tuning_auto.start(self, auto)
-        accelerate.watch(self)
+        _hooks.loader_made(self)  # fastfeed.accelerate's watcher, among others, registers there
 
     def _read_direct(self) -> None:
         """GDS: batches are read into device memory by the iterator's reader thread, so there are no workers."""

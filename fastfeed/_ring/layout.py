@@ -17,7 +17,7 @@ import torch
 from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
 from .._native import C
-from .._workers.messages import Leaf
+from .leaf import Leaf
 
 ALIGN = 64  # cache-line alignment keeps every dtype view legal and copies fast
 # Leaves at least this large are copied by the native gather (streaming stores);

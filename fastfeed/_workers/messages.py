@@ -13,6 +13,8 @@ from __future__ import annotations
 import pickle
 from typing import Any, NamedTuple
 
+from .._ring.leaf import Leaf  # noqa: F401  (Done carries a list of them; the type lives below ring and workers)
+
 
 class Task(NamedTuple):
     """Fetch and collate the samples of batch ``idx`` (into a slot the worker claims from the ring)."""
@@ -29,18 +31,6 @@ class Resume(NamedTuple):
 
 class Stop(NamedTuple):
     """The worker exits its loop."""
-
-
-class Leaf(NamedTuple):
-    """Where one tensor of a batch lies in the slot, and what it is."""
-
-    offset: int
-    dtype: Any  # torch.dtype
-    shape: tuple
-    requires_grad: bool
-    # Dimension order of a dense but permuted tensor (transposed, channels_last):
-    # its bytes lie in that order, so its strides come back as they were.
-    perm: tuple | None = None
 
 
 class Done(NamedTuple):

@@ -28,7 +28,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import quote
 
-from aiohttp import web
+try:
+    from aiohttp import web
+except ImportError as _exc:  # make_files and parse_range need no aiohttp; the server does (the [remote] extra)
+    web, _NO_AIOHTTP = None, _exc
 
 LISTEN_BACKLOG = 1024  # many clients connect at once; a short backlog drops SYNs (1 s retransmits)
 SHUTDOWN_GRACE_S = 0.05  # stop(): how long in-flight requests may finish before they are cancelled
@@ -99,6 +102,9 @@ class FileServer:
     """
 
     def __init__(self, root: str | Path, *, latency: float = 0.0, jitter: float = 0.0, seed: int = 0) -> None:
+        if web is None:
+            raise ImportError("fastfeed's HTTP file server needs aiohttp, which is not installed: "
+                              "pip install 'fastfeed[remote]'") from _NO_AIOHTTP
         self.root = os.path.realpath(root)
         self.latency = latency
         self.jitter = jitter

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from .._atomic import write_atomic
-from .runner import fmt
+from .summary import fmt
 
 SCHEMA = "fastfeed.bench/1"
 COSTS = ("main_cpu_s", "tree_cpu_s", "peak_footprint", "ttfb", "ttfb_hot")  # lower is better
@@ -87,7 +87,7 @@ def save(report: dict, out: Path) -> tuple[Path, Path]:
     rows = list(figure_rows(report))
     with open(csv_path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["workload", "key", "figure", "median", "min", "max", "numerator",
-                                               "denominator", "unit", "bar", "meets_bar"])  # fmt: skip
+                                               "denominator", "unit"])  # fmt: skip
         writer.writeheader()
         writer.writerows(rows)
     return json_path, csv_path
@@ -102,8 +102,7 @@ def figure_rows(report: dict):
             for key, figs in res["summary"].items():
                 for fig, st in figs.items():
                     yield dict(workload=name, key=key, figure=fig, median=st["median"], min=st["min"], max=st["max"],
-                               numerator=st["candidate"], denominator=st["baseline"], unit=st["unit"],
-                               bar=st.get("bar"), meets_bar=st.get("meets_bar"))  # fmt: skip
+                               numerator=st["candidate"], denominator=st["baseline"], unit=st["unit"])  # fmt: skip
         elif entry["kind"] == "files":
             for key, figs in res.items():
                 sides = [("readahead", figs.get("readahead")), ("cached", figs.get("cached"))] if key != "tokens" \
@@ -114,13 +113,12 @@ def figure_rows(report: dict):
                         den = figs["torch"]["files_per_s"] if key != "tokens" else figs["torch"]
                         yield dict(workload=name, key=f"{key} {side}", figure="throughput", median=st["ratio"],
                                    min=st["min"], max=st["max"], numerator=num, denominator=den,
-                                   unit="files/s" if key != "tokens" else "windows/s", bar=None, meets_bar=None)
+                                   unit="files/s" if key != "tokens" else "windows/s")
         elif entry["kind"] == "tune":
             for row in res["rows"]:
                 for fig, key in (("throughput", "throughput_ratio"), ("tune_time", "time_ratio")):
                     yield dict(workload=name, key=row["workload"], figure=fig, median=row[key], min=None, max=None,
-                               numerator=None, denominator=None, unit="x grid", bar=None,
-                               meets_bar=row["checks"].get("throughput" if fig == "throughput" else "time"))
+                               numerator=None, denominator=None, unit="x grid")
 
 
 # --- markdown -------------------------------------------------------------------------------
@@ -150,9 +148,7 @@ def _ratio(st: dict | None, bold: bool = False) -> str:
         return "-"
     text = f"{st['median']:.2f}x"
     text = f"**{text}**" if bold else text
-    spread = f" ({st['min']:.2f}-{st['max']:.2f}" if st.get("min") is not None else " ("
-    bar = f"; bar {st['bar']}x {'ok' if st.get('meets_bar') else 'missed'}" if st.get("bar") else ""
-    return text + (spread + bar + ")" if spread != " (" or bar else "")
+    return text + (f" ({st['min']:.2f}-{st['max']:.2f})" if st.get("min") is not None else "")
 
 
 def _abs(value, unit: str) -> str:

@@ -11,10 +11,18 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
+from . import extras
+
 KINDS = {"transport": "comparison", "overhead": "comparison", "jpeg": "comparison", "text": "comparison",
          "startup": "comparison", "files": "files", "tune": "tune"}  # fmt: skip
 STANDARD = tuple(KINDS)
 NEEDS_WORKERS = {"jpeg": "compares worker processes, threads and DALI's threads", "startup": "times worker start-up"}
+
+
+def missing_extra(name: str) -> str | None:
+    """For a standard workload that cannot run on this install, what it needs and the ``pip install`` that
+    brings it (``fastfeed bench`` skips it with that line); None otherwise, and for any other target."""
+    return extras.missing_for(name) if name in KINDS else None
 
 
 def run(name: str, *, quick: bool, rounds: int | None, num_workers: list | None, out: Path) -> dict:

@@ -66,7 +66,7 @@ class Report:
         return diagnose(self.timeline, self.whatif)
 
     def to_dict(self) -> dict:
-        from .. import __version__
+        from .._version import __version__
 
         v = self.verdict()
         ev = v.evidence

@@ -48,7 +48,7 @@ def fingerprint(dataset, *, batch_size, collate_fn, worker_type, space, cpus: It
         space: the fixed settings around the search, e.g. ``{"num_workers": "auto", "prefetch_factor": 2}``.
         cpus: CPUs the workers may use; defaults to those this process may use.
     """
-    from .. import __version__  # late: fastfeed/__init__.py imports this module before it sets __version__
+    from .._version import __version__
 
     if cpus is None:
         cpus = topology.discover().allowed_cpus

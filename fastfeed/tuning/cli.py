@@ -26,9 +26,7 @@ from torch.utils.data import (
 )  # fmt: skip
 from tqdm import tqdm
 
-import fastfeed
-
-from ..loader import WORKER_TYPES
+from .._workers import WORKER_TYPES
 from .cache import Cache, fingerprint, key_of
 
 
@@ -93,6 +91,8 @@ def run(parser: argparse.ArgumentParser, args) -> int:
 
 
 def _tune(args, dataset, base: dict, step, worker_types) -> int:
+    import fastfeed  # the public fastfeed.tune, at call time: the command runs what users call
+
     start = time.monotonic()
     bar = tqdm(total=args.budget, desc="tuning", file=sys.stderr, dynamic_ncols=True,
                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s{postfix}")  # fmt: skip

@@ -9,6 +9,7 @@ import warnings
 from typing import Callable
 
 from .. import config, topology
+from .._workers import WORKER_TYPES
 from . import agree, measure
 from .result import Setting, Trial, TuneResult
 from .search import Search
@@ -16,6 +17,23 @@ from .search import Search
 SHM_SHARE = 0.8  # of the free space where batch segments live
 RAM_SHARE = 0.5  # of the available memory: the default memory budget
 TIGHT = 0.1  # batches in flight above this share of the budget make memory a concern
+
+# The class tune() measures fresh instances of: fastfeed.DataLoader, handed over by fastfeed/__init__.py. The
+# loader imports tuning/ (for num_workers="auto"), so tuning/ never imports the loader.
+_loader_class: type | None = None
+
+
+def use_loader(cls: type) -> None:
+    """Make ``cls`` (``fastfeed.DataLoader``) the loader class :func:`tune` builds and measures."""
+    global _loader_class
+    _loader_class = cls
+
+
+def loader_class() -> type:
+    """The loader class :func:`tune` measures (set by ``fastfeed/__init__.py`` when fastfeed is imported)."""
+    if _loader_class is None:
+        raise RuntimeError("fastfeed.tuning.offline has no loader class to measure: import fastfeed first")
+    return _loader_class
 
 
 def rank_cpus(base: dict | None = None) -> int:
@@ -114,8 +132,6 @@ def _check(budget_s, max_workers, tolerance, worker_types) -> tuple:
         raise ValueError(f"tolerance must be a fraction in [0, 1), e.g. 0.03, got {tolerance!r}")
     if isinstance(worker_types, str):
         worker_types = (worker_types,)
-    from ..loader import WORKER_TYPES
-
     bad = [t for t in worker_types if t not in WORKER_TYPES]
     if not worker_types or bad:
         raise ValueError(f"worker_types must be a non-empty subset of {WORKER_TYPES}, got {worker_types!r}")
@@ -157,8 +173,7 @@ def tune(dataset, *, step=None, budget_s: float = 60, max_workers: int | None = 
     Under an initialised ``torch.distributed``, every rank tunes, then all take rank 0's
     result (call it on every rank, in the same order).
     """
-    from ..loader import DataLoader
-
+    DataLoader = loader_class()
     types = _check(budget_s, max_workers, tolerance, worker_types)
     for key in ("num_workers", "prefetch_factor", "worker_type"):
         if key in loader_kwargs:
