@@ -79,6 +79,9 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
             None draws one, as torch does.
         """
         self._shutdown = True  # until workers exist, there is nothing to shut down
+        # A process forked while this iterator lives (a torch worker, a user's fork) has a copy of it; the workers
+        # and segments are the parent's, and dropping the copy there must not touch them.
+        self._owner = os.getpid()
         self._generator = loader.generator
         self._resume = resume
         self._indices = indices
@@ -463,7 +466,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
 
     def _shutdown_workers(self, grace: float = STATUS_CHECK_S, idle: bool = False) -> None:
         """Stop the workers; ``idle``: every task they were sent has been answered."""
-        if self._shutdown:
+        if self._shutdown or os.getpid() != self._owner:
             return
         self._shutdown = True
         _live.discard(self)

@@ -9,12 +9,23 @@
 # Exit: 0 every check held; 1 a check, bar or test failed; 2 no CUDA device; 3 a GPU torch cannot use.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-
 dry=0
 for arg in "$@"; do
   [[ $arg == --dry-run ]] && dry=1
 done
+
+# A machine with no trace of an NVIDIA GPU has nothing to check, whatever its python holds.
+if [[ $dry == 0 ]] && ! ls /dev/nvidia[0-9]* /proc/driver/nvidia/gpus/* >/dev/null 2>&1 \
+    && ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "gpu_check: no CUDA device here (no /dev/nvidia*, no /proc/driver/nvidia/gpus, no nvidia-smi); nothing measured"
+  exit 2
+fi
+
+# The machine's python3; on a developer's machine without torch there, the project's venv (for --dry-run).
+PY=${PYTHON:-python3}
+if [[ -z ${PYTHON:-} ]] && ! python3 -c "import torch" 2>/dev/null && [[ -x .venv/bin/python ]]; then
+  PY=.venv/bin/python
+fi
 
 if ! "$PY" -c "import torch" 2>/dev/null; then
   echo "gpu_check: $PY cannot import torch; set PYTHON to a python with a CUDA build of torch" >&2
