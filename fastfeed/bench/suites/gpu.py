@@ -572,15 +572,9 @@ def _uncached(path: str) -> None:
 
 
 def _gds_counts(it) -> dict:
-    """The GDS reader's counters (aligned and widened reads), wherever this fastfeed keeps them."""
-    for path in (("_dataset_fetcher", "reader", "stats"), ("reader", "stats"), ("_reader", "stats"),
-                 ("_source", "reader", "stats")):  # fmt: skip
-        obj = it
-        for name in path:
-            obj = getattr(obj, name, None)
-        if isinstance(obj, dict):
-            return obj
-    return {}
+    """The GDS iterator's own account of its reads (kvikio's mode and threads, aligned, widened and POSIX reads)."""
+    stats = getattr(it, "gds_stats", None)
+    return stats() if callable(stats) else {}
 
 
 def _kvikio_compat() -> str:
@@ -631,10 +625,16 @@ def check_gds(cuda, c: Check, z: Sizes) -> None:
     c.figure("stall_fraction", stall)
     c.figure("aligned_reads", counts.get("aligned"))
     c.figure("widened_reads", counts.get("widened"))
-    mode = _kvikio_compat() if reader == "gds" else "n/a (posix)"
+    mode = counts.get("compat_mode", _kvikio_compat()) if reader == "gds" else "n/a (posix)"
     c.figure("kvikio_compat_mode", mode)
-    c.line(f"reader={reader!r}, {z.gds_step_ms:.0f} ms step", f"stall {stall:.1%}; kvikio compat mode: {mode}; "
-           f"reads aligned {counts.get('aligned', 'n/a')}, widened {counts.get('widened', 'n/a')}")  # fmt: skip
+    c.figure("kvikio_threads", counts.get("threads"))
+    c.line(f"reader={reader!r}, {z.gds_step_ms:.0f} ms step", f"stall {stall:.1%}; kvikio compat mode: {mode}, "
+           f"threads {counts.get('threads', 'n/a')}; reads aligned {counts.get('aligned', 'n/a')}, widened "
+           f"{counts.get('widened', 'n/a')}, POSIX {counts.get('posix', 'n/a')}")  # fmt: skip
+    if reader == "gds" and "KVIKIO_NTHREADS" not in os.environ and (os.cpu_count() or 1) > 1:
+        threads = counts.get("threads")
+        c.line("kvikio threads", c.verdict("kvikio_threads", threads not in (None, 1),
+                                           f"{threads} (from the rank's CPUs), bar > 1"))
     if "posix" in rows and reader != "posix":
         c.figure("posix_stall_fraction", rows["posix"][0])
         c.line("reader='posix', same step", f"stall {rows['posix'][0]:.1%} ({min(4, z.workers)} workers, the ring, "
