@@ -1,4 +1,4 @@
-"""The GPU check's measurements (fastfeed/bench/suites/gpu.py says what each checks); its exit code is theirs.
+"""The GPU check's measurements (fastfeed/bench/gpu/ says what each checks); its exit code is theirs.
 
 bash scripts/gpu_check.sh also builds the extension and runs tests/test_gpu.py first.
 """

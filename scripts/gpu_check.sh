@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check in one command, on a bare GPU machine (no network, no install, no .venv: setup.sh pins the CPU
 # wheel): builds the extension in place with this machine's python3 (or $PYTHON), then runs tests/test_gpu.py and
-# every check of fastfeed/bench/suites/gpu.py, a line per figure, and writes DIR/gpu_check.json.
+# every check of fastfeed/bench/gpu/, a line per figure, and writes DIR/gpu_check.json.
 #
 #   bash scripts/gpu_check.sh [--out DIR] [--dry-run] [--only ID,ID] [--num-workers N]
 #

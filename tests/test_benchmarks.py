@@ -321,7 +321,7 @@ def test_demo(tmp_path, bench_env):
 
 def test_gpu_check_without_cuda_says_so():
     """gpu_check.py on a machine without CUDA says that there is no CUDA device and exits 2, measuring nothing."""
-    from fastfeed.bench.suites.gpu_facade import gpu_present
+    from fastfeed.bench.gpu.facade import gpu_present
 
     if __import__("torch").cuda.is_available() or gpu_present():
         pytest.skip("this machine has a GPU: gpu_check.py measures for real (bash scripts/gpu_check.sh)")

@@ -2,7 +2,7 @@
 
 Skipped without CUDA. `bash scripts/gpu_check.sh` runs this file (through pytest, or scripts/gpu_tests.py where
 pytest is not installed: keep to the pytest pieces that runner provides) before the checks of
-fastfeed/bench/suites/gpu.py.
+fastfeed/bench/gpu/.
 """
 
 import warnings

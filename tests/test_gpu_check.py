@@ -1,4 +1,4 @@
-"""The GPU check (scripts/gpu_check.sh, fastfeed/bench/suites/gpu.py) on a CPU: its dry run, its exit codes, its
+"""The GPU check (scripts/gpu_check.sh, fastfeed/bench/gpu/) on a CPU: its dry run, its exit codes, its
 fake CUDA, and that its race checks fail when a copy reads a slot that was rewritten.
 
 The fake's copies read their source by address only when their turn on a fake stream comes, as a DMA does; so
@@ -16,7 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastfeed.bench.suites import gpu, gpu_facade
+from fastfeed.bench.gpu import races
+from fastfeed.bench.gpu.facade import gpu_present
+from fastfeed.bench.gpu.fake import FakeCuda
+from fastfeed.bench.gpu.main import CHECKS
+from fastfeed.bench.gpu.report import REPORT_NAME, Check
+from fastfeed.bench.gpu.sizes import DRY
 
 pytestmark = pytest.mark.fastfeed_only
 
@@ -54,10 +59,10 @@ def test_the_dry_run_runs_every_check_and_reports_every_figure(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "DRY RUN" in proc.stdout and "nothing was measured on a GPU" in proc.stdout, out
-    assert [c[0] for c in gpu.CHECKS] == list(FIGURES)
+    assert [c[0] for c in CHECKS] == list(FIGURES)
     for cid in FIGURES:
         assert f"== {cid}:" in proc.stdout, cid
-    report = json.loads((tmp_path / "out" / gpu.REPORT_NAME).read_text())
+    report = json.loads((tmp_path / "out" / REPORT_NAME).read_text())
     assert report["dry_run"] is True and "DRY RUN" in report["note"] and report["exit_code"] == 0
     assert report["tests"]["runner"] == "scripts/gpu_tests.py" and report["tests"]["ok"], report["tests"]
     assert report["tests"]["counts"].get("skipped", 0) >= 5, report["tests"]
@@ -80,7 +85,7 @@ def test_the_dry_run_runs_every_check_and_reports_every_figure(tmp_path):
 
 def test_without_a_cuda_device_the_check_exits_2_saying_so(tmp_path):
     """Without --dry-run on a machine without a GPU, the script exits 2 with a line saying there is no CUDA device."""
-    if torch.cuda.is_available() or gpu_facade.gpu_present():
+    if torch.cuda.is_available() or gpu_present():
         pytest.skip("this machine has a GPU")
     proc = gpu_check("--out", str(tmp_path / "out"), timeout=120)
     assert proc.returncode == 2 and "no CUDA device" in proc.stdout, proc.stdout + proc.stderr
@@ -103,7 +108,7 @@ def test_a_gpu_that_torch_cannot_use_exits_3(tmp_path):
 
 def test_a_fake_copy_reads_its_source_when_its_stream_gets_to_it():
     """A non_blocking fake copy queued behind a sleep reads its source then; under reads_at_issue() it reads at once."""
-    fake = gpu_facade.FakeCuda()
+    fake = FakeCuda()
     src = torch.ones(4096, dtype=torch.uint8)
     fake.sleep(30)
     late = fake.to_device(src)
@@ -121,8 +126,8 @@ def test_a_fake_copy_reads_its_source_when_its_stream_gets_to_it():
 def test_the_pin_memory_check_fails_when_copies_read_their_slots_late():
     """With fake copies that read late (and nothing in fastfeed that can see the fake's streams), slots are rewritten
     before their copies read them, and check_pin_race reports the wrong checksums: FAIL."""
-    c = gpu.Check("pin_race", "", dry_run=True)
-    gpu.check_pin_race(gpu_facade.FakeCuda(), c, gpu.DRY, fake_reads_late=True)
+    c = Check("pin_race", "", dry_run=True)
+    races.check_pin_race(FakeCuda(), c, DRY, fake_reads_late=True)
     assert c.status == "FAIL" and c.figures["bad_batches"]["value"] > 0, c
 
 
@@ -131,17 +136,17 @@ def test_the_device_stage_check_fails_when_slots_go_back_before_their_copies(mon
     go before the copy's event completed."""
     from fastfeed import transfer
 
-    z = replace(gpu.DRY, copy_sleep_ms=10.0)
-    c = gpu.Check("stage_race", "", dry_run=True)
-    gpu.check_stage_race(gpu_facade.FakeCuda(), c, z)
+    z = replace(DRY, copy_sleep_ms=10.0)
+    c = Check("stage_race", "", dry_run=True)
+    races.check_stage_race(FakeCuda(), c, z)
     assert c.status == "ok" and c.figures["bad_batches"]["value"] == 0, c
 
     def release_at_once(self):
         self._copying.clear()  # as if every copy had completed
 
     monkeypatch.setattr(transfer.DeviceIter, "_release_finished", release_at_once)
-    c = gpu.Check("stage_race", "", dry_run=True)
-    gpu.check_stage_race(gpu_facade.FakeCuda(), c, z)
+    c = Check("stage_race", "", dry_run=True)
+    races.check_stage_race(FakeCuda(), c, z)
     assert c.status == "FAIL" and c.figures["bad_batches"]["value"] > 0, c
 
 
