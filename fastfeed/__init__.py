@@ -6,6 +6,7 @@ from . import doctor, io, transforms
 from ._ring.ring import RingGrowthWarning
 from .loader import DataLoader
 from ._version import __version__
+from .stateful import StatefulDataLoader
 from .stats import Stats
 from .tuning import TuneResult, load_config, offline, tune
 
@@ -16,6 +17,6 @@ del offline
 
 
 __all__ = [
-    "DataLoader", "RingGrowthWarning", "Stats", "TuneResult", "__version__", "doctor", "get_worker_info", "io",
-    "load_config", "transforms", "tune",
+    "DataLoader", "RingGrowthWarning", "StatefulDataLoader", "Stats", "TuneResult", "__version__", "doctor",
+    "get_worker_info", "io", "load_config", "transforms", "tune",
 ]  # fmt: skip

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import copy
 import functools
 import itertools
 import os
@@ -79,6 +80,9 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
             None draws one, as torch does.
         """
         self._shutdown = True  # until workers exist, there is nothing to shut down
+        # A process forked while this iterator lives (a torch worker, a user's fork) has a copy of it; the workers
+        # and segments are the parent's, and dropping the copy there must not touch them.
+        self._owner = os.getpid()
         self._generator = loader.generator
         self._resume = resume
         self._indices = indices
@@ -111,6 +115,8 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         self._staged = stage is not None
         self._keep_ended = self._staged or loader._ff_lookahead > 0  # states from before a worker's end are asked
         self._yield_log = collections.deque(maxlen=held)  # (worker, last tasks) before each yield
+        sampler = _state.sampler_of(loader)  # a stateful sampler's states after each task's draw, while in flight
+        self._sampler_log = None if sampler is None else _state.SamplerLog(sampler, quiet + 2)
         cuda_slots = stage.device.type == "cuda" if stage else self._pin_memory_device == "cuda"
         device = _cuda_index(stage, self._pin_memory_device)
         # Workers, their memory and the ring go on the GPU's NUMA node (loader.numa_plan).
@@ -126,6 +132,8 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
             self._ring.control.name, history=quiet, placement=where, timed=self._stats is not None,
         )  # fmt: skip
         self._threads = loader.worker_type == "thread"
+        if self._threads and resume and resume.get("dataset") is not None:  # the one object the threads share
+            loader.dataset.load_state_dict(copy.deepcopy(resume["dataset"]))
         dump_s = config.hang_dump_s()
         if self._threads:
             ring = self._ring  # not self: the threads must not keep this iterator alive
@@ -181,6 +189,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         super()._reset(loader, first_iter)
         if self._indices is not None:
             self._sampler_iter = self._indices
+        self._sampler_iter = _state.Drawn(self._sampler_iter)
         if not first_iter:
             for wid in range(self._num_workers):
                 self._pool.send(wid, m.Resume(self._shared_seed))
@@ -197,24 +206,34 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         self._last_task: list[int | None] = [None] * self._num_workers  # the last task of each seen
         self._finished = False
         resume, self._resume = (self._resume if first_iter else None), None
+        if self._sampler_log is not None:
+            self._sampler_log.states = {}  # taken at this epoch's first draw
         if resume and resume["mid_epoch"]:
-            self._fast_forward(resume)
+            self._fast_forward(loader, resume)
             return
+        if resume and resume.get("sampler_state") is not None and self._sampler_log is not None:
+            self._sampler_iter = _state.Drawn(_state.resume_sampler(loader, resume["sampler_state"], True))
+            self._sampler_log.start(resume["sampler_state"])
         self._sampler_rng = _state.sampler_rngs(self._generator)
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
 
-    def _fast_forward(self, resume: dict) -> None:
+    def _fast_forward(self, loader, resume: dict) -> None:
         """Continue an epoch after the batches the user had received, without fetching them."""
         keep = _state.sampler_rngs(self._generator)
         self._sampler_rng = resume["sampler_rng"]
-        _state.restore_sampler_rngs(self._sampler_rng, self._generator)  # the same order...
-        for _ in range(resume["yielded"]):  # ...of which the seen batches are skipped
-            try:
-                self._next_index()
-            except StopIteration:
-                break
-        self._num_yielded = resume["yielded"]
+        yielded = resume["yielded"]
+        if resume.get("sampler_state") is not None and self._sampler_log is not None:
+            # A stateful sampler continues from its own state, as torchdata resumes it.
+            sampler_iter = _state.resume_sampler(loader, resume["sampler_state"], yielded == 0)
+            self._sampler_iter = _state.Drawn(sampler_iter)
+            self._sampler_log.start(resume["sampler_state"], yielded)
+        else:
+            _state.restore_sampler_rngs(self._sampler_rng, self._generator)  # the same order, of which the seen
+            self._sampler_iter.replay(yielded, resume.get("asked", yielded))  # batches are skipped
+            if self._sampler_log is not None:  # (a state of version 1: the sampler's own state was not saved)
+                self._sampler_log.start(None, yielded)
+        self._num_yielded = yielded
         for wid, saved in enumerate(resume["workers"] or ()):  # None: thread workers, stateless
             self._workers_status[wid] = bool(saved) and not saved["state"]["ended"]
             if saved:
@@ -224,6 +243,16 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
         _state.restore_sampler_rngs(keep, self._generator)
+
+    def _next_index(self):
+        log = self._sampler_log
+        if log is None:
+            return super()._next_index()
+        if not log.states:
+            log.start()
+        index = super()._next_index()
+        log.drew()
+        return index
 
     def state_dict(self, held_back: int = 0) -> dict:
         """This epoch's position and each worker's state (see ``DataLoader.state_dict``).
@@ -237,15 +266,18 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         last_task = self._last_task
         if held_back:
             next_worker, last_task = self._yield_log[-held_back]
-        workers = None
+        workers = dataset = None
         if self._threads:
             # Worker threads draw from the process's RNGs: they have no state of their
             # own to save, and an iterable's position lies in iterators nobody can save.
-            if self._dataset_kind == _DatasetKind.Iterable and mid_epoch:
+            if mid_epoch and (self._dataset_kind == _DatasetKind.Iterable or _state.is_stateful(self._dataset)):
+                what = "an IterableDataset" if self._dataset_kind == _DatasetKind.Iterable else "a stateful dataset"
                 raise ValueError(
-                    "DataLoader.state_dict() mid-epoch needs worker_type='process' for an IterableDataset: "
+                    f"DataLoader.state_dict() mid-epoch needs worker_type='process' for {what}: "
                     "worker threads share one dataset object, whose per-worker position cannot be saved"
                 )
+            if _state.is_stateful(self._dataset):  # between epochs: the one shared object's state
+                dataset = _state.dataset_positions(self._dataset, None)[0]
         elif mid_epoch or self._persistent_workers:
             if self._shutdown:
                 raise RuntimeError("DataLoader.state_dict(): this iterator's workers were shut down")
@@ -253,12 +285,21 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         if not held_back:
             waiting = [i for i, task in self._task_info.items() if self._workers_status[task.wid]]
             next_worker = self._task_info[min(waiting)].wid if waiting and mid_epoch else 0
+        yielded = self._num_yielded - held_back
+        log = self._sampler_log
+        sampler_state = None
+        if log is not None:
+            sampler_state = log.after(yielded) if log.states else copy.deepcopy(log.sampler.state_dict())
         return {
             "mid_epoch": mid_epoch,
-            "yielded": self._num_yielded - held_back,
+            "yielded": yielded,
             "sampler_rng": self._sampler_rng,
+            "sampler_state": sampler_state,
             "base_seed": self._base_seed,
-            "dataset": None,
+            "dataset": dataset,
+            "dataset_iter": None,  # per worker
+            "num_workers": self._num_workers,
+            "asked": self._sampler_iter.asked,
             "next_worker": next_worker,
             "workers": workers,
         }
@@ -463,7 +504,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
 
     def _shutdown_workers(self, grace: float = STATUS_CHECK_S, idle: bool = False) -> None:
         """Stop the workers; ``idle``: every task they were sent has been answered."""
-        if self._shutdown:
+        if self._shutdown or os.getpid() != self._owner:
             return
         self._shutdown = True
         _live.discard(self)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import copy
 import time
 
 from torch.utils.data import _DatasetKind
@@ -30,42 +31,87 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         self._generator = loader.generator
         self._sampler_rng = None  # sampler RNGs just before this epoch's first index
         self._finished = False
-        stateful = loader._dataset_kind == _DatasetKind.Iterable and _state.is_stateful_dataset(loader.dataset)
-        self._stateful = stateful
+        self._retry_empty = False  # a dataset resumed between epochs may end at once: then a fresh iter() follows
         # A wrapper reading ahead (fastfeed.accelerate) asks for the state of batches ago: the dataset's states then.
         ahead = loader._ff_lookahead
-        self._dataset_log = collections.deque(maxlen=ahead + 1) if stateful and ahead else None
-        if resume is None:
+        sampler = _state.sampler_of(loader)
+        self._sampler_log = None if sampler is None else _state.SamplerLog(sampler, ahead + 3)
+        mid_epoch = resume is not None and resume["mid_epoch"]
+        if not mid_epoch:
             keep = _state.sampler_rngs(self._generator) if base_seed is not None else None
+            if resume is not None and resume["dataset"] is not None:
+                loader.dataset.load_state_dict(copy.deepcopy(resume["dataset"]))  # before iter(dataset)
             super().__init__(loader)
             if base_seed is not None:
                 _state.restore_sampler_rngs(keep, self._generator)
                 self._base_seed = base_seed
             if indices is not None:
                 self._sampler_iter = indices
+            if resume is not None:
+                self._resume_between_epochs(loader, resume)
+            self._sampler_iter = _state.Drawn(self._sampler_iter)
+            self._track_dataset(ahead)
             return
         keep = _state.main_rngs(self._generator)  # resuming draws nothing the user would see
-        if stateful and resume["dataset"] is not None:
-            loader.dataset.load_state_dict(resume["dataset"])  # before iter(dataset)
+        if resume["dataset"] is not None:
+            loader.dataset.load_state_dict(copy.deepcopy(resume["dataset"]))  # before iter(dataset)
         super().__init__(loader)
-        if resume["sampler_rng"] is not None:
-            self._sampler_rng = resume["sampler_rng"]
-            _state.restore_sampler_rngs(self._sampler_rng, self._generator)
-            replay = self._dataset_kind == _DatasetKind.Iterable and not stateful
-            for _ in range(resume["yielded"]):
-                index = next(self._sampler_iter)
-                if replay:  # a plain iterable can only be moved forward by reading it
-                    self._dataset_fetcher.fetch(index)
-        self._num_yielded = resume["yielded"]
+        self._load_iterator(resume)
+        self._track_dataset(ahead)
+        self._sampler_rng = resume["sampler_rng"]
+        yielded = resume["yielded"]
+        if resume.get("sampler_state") is not None and sampler is not None:
+            self._sampler_iter = _state.Drawn(_state.resume_sampler(loader, resume["sampler_state"], yielded == 0))
+            self._sampler_log.start(resume["sampler_state"], yielded)
+        else:
+            self._sampler_iter = _state.Drawn(self._sampler_iter)
+            if self._sampler_rng is not None:
+                _state.restore_sampler_rngs(self._sampler_rng, self._generator)
+                replay = self._dataset_kind == _DatasetKind.Iterable and not self._stateful
+                # A plain iterable can only be moved forward by reading it; the asks made ahead are made again.
+                self._sampler_iter.replay(yielded, resume.get("asked", yielded),
+                                          self._dataset_fetcher.fetch if replay else None)  # fmt: skip
+            if self._sampler_log is not None:
+                self._sampler_log.start(None, yielded)
+        self._num_yielded = yielded
         _state.restore_main_rngs(keep, self._generator)
+
+    def _load_iterator(self, resume: dict) -> None:
+        """A stateful iterator (an iterable whose ``__iter__`` returned itself, say) gets its state after ``iter()``."""
+        it_state = resume.get("dataset_iter")
+        it = getattr(self._dataset_fetcher, "dataset_iter", None)
+        if it_state is not None and _state.is_stateful(it):
+            it.load_state_dict(copy.deepcopy(it_state))
+
+    def _resume_between_epochs(self, loader, resume: dict) -> None:
+        """A state saved between epochs: the dataset's and sampler's positions then, and a new epoch from there."""
+        self._load_iterator(resume)
+        iterable = self._dataset_kind == _DatasetKind.Iterable
+        self._retry_empty = iterable and (resume["dataset"] is not None or resume.get("dataset_iter") is not None)
+        if resume.get("sampler_state") is not None and self._sampler_log is not None:
+            self._sampler_iter = _state.resume_sampler(loader, resume["sampler_state"], True)
+            self._sampler_log.start(resume["sampler_state"])
+
+    def _track_dataset(self, ahead: int) -> None:
+        stateful = _state.is_stateful(self._dataset) or _state.is_stateful(
+            getattr(self._dataset_fetcher, "dataset_iter", None)
+        )
+        self._stateful = stateful
+        self._dataset_log = collections.deque(maxlen=ahead + 1) if stateful and ahead else None
 
     def _next_index(self):
         if self._sampler_rng is None:
             self._sampler_rng = _state.sampler_rngs(self._generator)
+        log = self._sampler_log
+        if log is not None and not log.states:
+            log.start()
         if self._dataset_log is not None and not self._dataset_log:
             self._log_dataset()  # its state before this epoch's (or this resumed run's) first batch
         if self._prefetch is None:
-            return next(self._sampler_iter)
+            index = next(self._sampler_iter)
+            if log is not None:
+                log.drew()
+            return index
         # The read-ahead protocol: the dataset hears of this batch's samples and the next one's before they
         # are read, so its reads run while the step does.
         if self._ahead is None:
@@ -80,6 +126,8 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             index = next(self._sampler_iter)
         except StopIteration:
             return _END
+        if self._sampler_log is not None:
+            self._sampler_log.drew()
         self._prefetch(readahead.indices_of(index, self._auto_collation))
         return index
 
@@ -87,10 +135,10 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         try:
             rec = self._stats
             if rec is None or not self._timed:
-                data = super()._next_data()
+                data = self._fetch_next()
             else:
                 asked = time.perf_counter()
-                data = super()._next_data()
+                data = self._fetch_next()
                 rec.add(asked, 0, time.perf_counter())
             self._log_dataset()
             return data
@@ -98,21 +146,44 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             self._finished = True
             raise
 
+    def _fetch_next(self):
+        if not self._retry_empty:
+            return super()._next_data()
+        self._retry_empty = False
+        try:
+            return super()._next_data()
+        except StopIteration:  # it continued the epoch that had ended: the next one is a fresh iter()
+            self._dataset_fetcher = _DatasetKind.create_fetcher(
+                self._dataset_kind, self._dataset, self._auto_collation, self._collate_fn, self._drop_last
+            )
+            return super()._next_data()
+
     def _log_dataset(self) -> None:
         if self._dataset_log is not None:
-            self._dataset_log.append(_state.dataset_state(self._dataset))
+            self._dataset_log.append(_state.dataset_positions(self._dataset, self._dataset_fetcher))
 
     def state_dict(self, held_back: int = 0) -> dict:
         """This epoch's position; ``held_back``: as of that many batches ago (see ``RingDataLoaderIter``)."""
-        dataset = None
+        dataset = dataset_iter = sampler_state = None
         if self._stateful:
-            dataset = self._dataset_log[-1 - held_back] if held_back else _state.dataset_state(self._dataset)
+            if held_back:
+                dataset, dataset_iter = self._dataset_log[-1 - held_back]
+            else:
+                dataset, dataset_iter = _state.dataset_positions(self._dataset, self._dataset_fetcher)
+        yielded = self._num_yielded - held_back
+        log = self._sampler_log
+        if log is not None:
+            sampler_state = log.after(yielded) if log.states else copy.deepcopy(log.sampler.state_dict())
         return {
             "mid_epoch": not self._finished or held_back > 0,
-            "yielded": self._num_yielded - held_back,
+            "yielded": yielded,
             "sampler_rng": self._sampler_rng,
+            "sampler_state": sampler_state,
             "base_seed": self._base_seed,
             "dataset": dataset,
+            "dataset_iter": dataset_iter,
+            "num_workers": 0,
+            "asked": self._sampler_iter.asked,
             "next_worker": 0,
             "workers": None,
         }

@@ -1,26 +1,158 @@
 """Random-number-generator and dataset states, for ``DataLoader.state_dict()``.
 
 Snapshots are taken often (workers take one after every task), so ``snapshot`` only
-copies the states; ``to_plain`` turns one into plain Python and tensors (what
-``torch.save`` and ``torch.load(weights_only=True)`` accept) when it is asked for.
+copies the states; ``rngs_to_plain`` turns one into plain Python and tensors when it is
+asked for, and ``encode`` turns a whole loader state into what JSON holds (``decode``
+takes it back, from JSON, ``torch.load`` or the tensor form of earlier versions).
 """
 
 from __future__ import annotations
 
 import array
+import base64
+import collections
 import copy
 import ctypes
+import itertools
 import random
 import sys
 
 import torch
 
 
+def is_stateful(obj) -> bool:
+    """An object that saves and restores its own position (``state_dict()``/``load_state_dict()``), as torchdata's
+    ``Stateful`` protocol has it."""
+    return obj is not None and all(callable(getattr(obj, name, None)) for name in ("state_dict", "load_state_dict"))
+
+
 def is_stateful_dataset(dataset) -> bool:
-    """An IterableDataset whose position we save and restore through its own methods."""
-    return isinstance(dataset, torch.utils.data.IterableDataset) and all(
-        callable(getattr(dataset, name, None)) for name in ("state_dict", "load_state_dict")
-    )
+    """A dataset (map-style or iterable) whose own state we save and restore."""
+    return is_stateful(dataset)
+
+
+def dataset_positions(dataset, fetcher) -> tuple:
+    """``(dataset's state, its iterator's state)``, copied, as torchdata saves them (None: not stateful).
+
+    An iterable whose ``__iter__`` returns itself has only the iterator's: its state is loaded after ``__iter__``
+    (which would start it over), a dataset's before.
+    """
+    it = getattr(fetcher, "dataset_iter", None)
+    it_state = copy.deepcopy(it.state_dict()) if is_stateful(it) else None
+    ds_state = copy.deepcopy(dataset.state_dict()) if it is not dataset and is_stateful(dataset) else None
+    return ds_state, it_state
+
+
+def restore_dataset(dataset, ds_state, it_state, new_fetcher):
+    """A new fetcher (``iter(dataset)``) at the saved position: the dataset's state loaded before ``__iter__``, the
+    iterator's after. Both get copies, so a ``load_state_dict`` that changes its argument spoils no saved state."""
+    if ds_state is not None:
+        dataset.load_state_dict(copy.deepcopy(ds_state))
+    fetcher = new_fetcher()
+    it = getattr(fetcher, "dataset_iter", None)
+    if it_state is not None and is_stateful(it):
+        it.load_state_dict(copy.deepcopy(it_state))
+    return fetcher
+
+
+def sampler_of(loader):
+    """The stateful sampler whose ``state_dict()`` gives the epoch's position (the batch sampler's own, else the
+    sampler's), or None: then the order is replayed from the RNGs it drew from."""
+    index_sampler = loader._index_sampler
+    if is_stateful(index_sampler):
+        return index_sampler
+    if loader._auto_collation and is_stateful(loader.sampler):
+        return loader.sampler
+    return None
+
+
+class SamplerLog:
+    """A stateful sampler's states after each of the last draws of an epoch, for a state ``behind`` yields."""
+
+    def __init__(self, sampler, keep: int):
+        self.sampler = sampler
+        self.keep = keep
+        self.states: dict[int, object] = {}
+        self.draws = 0
+
+    def start(self, state=None, draws: int = 0) -> None:
+        """A new epoch (or a resumed one, ``draws`` in, from ``state``: the sampler's before then)."""
+        self.states = {draws: copy.deepcopy(self.sampler.state_dict()) if state is None else state}
+        self.draws = draws
+
+    def drew(self) -> None:
+        self.draws += 1
+        self.states[self.draws] = copy.deepcopy(self.sampler.state_dict())
+        self.states.pop(self.draws - self.keep, None)
+
+    def after(self, draws: int):
+        """Its state after ``draws`` draws of this epoch."""
+        if draws not in self.states:
+            raise RuntimeError(f"the sampler's state after {draws} draws is no longer held (has {sorted(self.states)})")
+        return self.states[draws]
+
+
+def resume_sampler(loader, state, may_be_done: bool):
+    """Load a stateful sampler's saved state and return an iterator over the loader's batches from there.
+
+    ``may_be_done``: the state was saved between epochs (or before a batch of an epoch was yielded). The sampler's
+    next ``__iter__`` may then have nothing left to yield (it continues the finished epoch, as torchdata's
+    ``StatefulDistributedSampler`` does), and the next epoch is a fresh ``__iter__``, as an uninterrupted run's is.
+    """
+    sampler = sampler_of(loader)
+    sampler.load_state_dict(copy.deepcopy(state))
+    it = iter(loader._index_sampler)
+    if not may_be_done:
+        return it
+    try:
+        first = next(it)
+    except StopIteration:
+        return iter(loader._index_sampler)
+    return _chain(first, it)
+
+
+class Drawn:
+    """An epoch's sampler iterator, counting the indices asked of it (the last ask may have ended it).
+
+    A sampler may draw from the RNGs at any ask (RandomSampler draws its next permutation as the last index of
+    an epoch is taken). The loader's state holds the RNGs as they are when it is taken, after the asks made for
+    tasks still in flight; a resumed epoch makes those asks again with the RNGs put back (``replay``), so that
+    they draw nothing twice.
+    """
+
+    def __init__(self, source):
+        self.source = source
+        self.asked = 0  # of the source
+        self.kept: collections.deque = collections.deque()  # indices asked again on resuming, for their tasks
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.kept:
+            return self.kept.popleft()
+        self.asked += 1
+        return next(self.source)
+
+    def replay(self, skip: int, asked: int, fetch=None) -> None:
+        """Ask ``asked`` indices again: the first ``skip`` are dropped (``fetch(index)`` each), the rest kept for
+        the tasks they were taken for."""
+        for n in range(max(skip, asked)):
+            self.asked += 1
+            try:
+                index = next(self.source)
+            except StopIteration:
+                break
+            if n < skip:
+                if fetch is not None:
+                    fetch(index)
+            else:
+                self.kept.append(index)
+
+
+def _chain(first, rest):
+    yield first
+    yield from rest
 
 
 def _numpy():
@@ -173,6 +305,71 @@ def restore_sampler_rngs(plain: dict, generator) -> None:
         generator.set_state(plain["generator"])
 
 
-def dataset_state(dataset):
-    """A stateful dataset's state, copied so that later changes to the dataset do not alter it."""
-    return copy.deepcopy(dataset.state_dict())
+# -- the loader's state as JSON holds it ---------------------------------------------------------------------------
+
+
+def _bytes_out(t) -> str | None:
+    return None if t is None else base64.b64encode(t.numpy().tobytes()).decode("ascii")
+
+
+def _bytes_in(v) -> torch.Tensor | None:
+    if v is None or isinstance(v, torch.Tensor):  # a tensor: a state of version 1, or saved before encoding
+        return v
+    return torch.frombuffer(bytearray(base64.b64decode(v)), dtype=torch.uint8)
+
+
+def _rngs_out(plain: dict | None) -> dict | None:
+    if plain is None:
+        return None
+    out = dict(plain)
+    out["torch"] = _bytes_out(plain["torch"])
+    if "generator" in plain:
+        out["generator"] = _bytes_out(plain["generator"])
+    if "random" in plain:
+        version, internal, gauss = plain["random"]
+        out["random"] = [version, list(internal), gauss]
+    if plain.get("numpy") is not None:
+        name, keys, pos, has_gauss, gauss = plain["numpy"]
+        keys = base64.b64encode(keys.numpy().astype("<u4").tobytes()).decode("ascii")
+        out["numpy"] = [name, keys, pos, has_gauss, gauss]
+    return out
+
+
+def _rngs_in(coded: dict | None) -> dict | None:
+    if coded is None:
+        return None
+    out = dict(coded)
+    out["torch"] = _bytes_in(coded["torch"])
+    if "generator" in coded:
+        out["generator"] = _bytes_in(coded["generator"])
+    if "random" in coded:
+        version, internal, gauss = coded["random"]
+        out["random"] = (int(version), tuple(internal), gauss)
+    if coded.get("numpy") is not None:
+        name, keys, pos, has_gauss, gauss = coded["numpy"]
+        if isinstance(keys, str):
+            import numpy as np
+
+            keys = torch.from_numpy(np.frombuffer(base64.b64decode(keys), dtype="<u4").astype(np.int64))
+        out["numpy"] = (name, keys, int(pos), int(has_gauss), float(gauss))
+    return out
+
+
+def _workers(workers, convert):
+    if workers is None:
+        return None
+    return [None if w is None else dict(w, state=convert(w["state"]), epoch_start=convert(w["epoch_start"]))
+            for w in workers]  # fmt: skip
+
+
+def encode(state: dict) -> dict:
+    """A loader state with its RNG states as base64 strings and lists of ints: ``json.dumps`` takes it whole."""
+    return dict(state, rng=_rngs_out(state["rng"]), sampler_rng=_rngs_out(state["sampler_rng"]),
+                workers=_workers(state["workers"], _rngs_out))  # fmt: skip
+
+
+def decode(state: dict) -> dict:
+    """``encode``'s inverse: tensors and tuples again, from JSON's lists or ``torch.load``'s values alike."""
+    state = copy.deepcopy(state)  # what the loader keeps is its own: the caller's dict stays as it was
+    return dict(state, rng=_rngs_in(state["rng"]), sampler_rng=_rngs_in(state.get("sampler_rng")),
+                workers=_workers(state.get("workers"), _rngs_in))  # fmt: skip

@@ -11,12 +11,13 @@ that was allocated and touched once, and the user receives views of it.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import TypeVar
 
 import torch
 import torch.utils.data
-from torch.utils.data import IterDataPipe, MapDataPipe
+from torch.utils.data import IterDataPipe, MapDataPipe, _DatasetKind
 
 from . import _hooks, _state, affinity, stats, transfer
 from ._iterator import RingDataLoaderIter
@@ -29,7 +30,8 @@ from .io import direct
 from .tuning import auto as tuning_auto
 from .tuning.online import TuningIter
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+STATE_VERSIONS = (1, 2)  # what load_state_dict reads: 1 held tensors and tuples where 2 holds JSON's values
 
 _T_co = TypeVar("_T_co", covariant=True)  # what the loader yields, as torch's DataLoader[_T_co]
 
@@ -128,7 +130,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     _ff_staged = None  # weak reference to the latest device stage over it
     _ff_copier = None  # the device stage's streams, made once
     _ff_planned = False  # numa_plan was made
-    _ff_resume = None  # the state the next iterator starts from
+    _ff_resume = None  # the state the next iterator starts from (load_state_dict's, decoded)
+    _ff_kept = None  # the latest iterator, kept: dropped mid-epoch (a `break`), state_dict() still gives its position
     _ff_ring = None  # the ring of batch slots, kept across epochs
     _ff_stats = None  # the latest iterator's stats.Recorder
     _ff_lookahead = 0  # batches a wrapper around this loader reads ahead of its consumer (fastfeed.accelerate)
@@ -145,7 +148,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     def _get_iterator(self):
         resume, self._ff_resume = self._ff_resume, None
         if self._ff_tuner is not None:
-            if resume is not None:
+            if resume is not None and _restores(resume):
                 raise RuntimeError(
                     "load_state_dict() on a num_workers='auto' loader whose tuning has not settled: build it with "
                     "the tuned values (loader.tune_result.loader_kwargs() of the run that saved the state)"
@@ -203,10 +206,14 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         tuner = self._ff_tuner
         if tuner is not None and tuner.result is not None and tuner.agreed:
             self._ff_tuner = tuner = None  # settled, and every rank agrees
+        # The last epoch's iterator goes first (unless the caller holds it): its workers and ring are free then.
+        self._ff_kept = None
         # While tuning, each epoch is a TuningIter: torch's persistent-workers path would keep it.
         it = self._get_iterator() if tuner is not None else super().__iter__()
         self._ff_epochs += 1
         self._ff_last = weakref.ref(it)
+        if tuner is None:  # (a TuningIter refers to this loader, and its state is no position anyway)
+            self._ff_kept = [it]
         if it._stats is not None and it._stats is self._ff_stats:  # persistent workers: a new epoch
             it._stats = stats.recorder(it._num_workers, self.prefetch_factor if it._num_workers else None)
         self._ff_stats = it._stats
@@ -222,6 +229,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             staged = transfer.DeviceIter(it, self._ff_copier, self._ff_stage.ahead, it._batch_ready, it.end_epoch,
                                          stats=it._stats)  # fmt: skip
         self._ff_staged = weakref.ref(staged)
+        if self._ff_kept is not None:
+            self._ff_kept.append(staged)
         return staged
 
     def state_dict(self) -> dict:
@@ -230,43 +239,64 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         Taken after the user received batch k of an epoch, ``load_state_dict`` on a
         loader built with the same arguments makes its next ``iter()`` yield batches
         k+1.. of that epoch, bit-identical to an uninterrupted run, and later epochs as
-        they would have been. Taken between epochs (before the first ``iter()``, or
-        after an epoch's iterator ended or was dropped), the next ``iter()`` starts the next
-        epoch.
+        they would have been. That holds inside the loop and after it: after a ``break``
+        the state is still that of batch k (the loader keeps its latest iterator, and
+        with it the workers, until the next ``iter()``, as torchdata's
+        ``StatefulDataLoader`` does). Taken between epochs (before the first ``iter()``,
+        or after an epoch's iterator ended), the next ``iter()`` starts the next epoch,
+        with the dataset's and sampler's own states as they were. Between
+        ``load_state_dict()`` and the next ``iter()``, the loaded state is the state.
 
-        The state is plain Python and tensors (``torch.save`` / ``torch.load`` with
-        ``weights_only=True`` work)::
+        The state is JSON's values only: ``json.dumps`` takes it, and so do
+        ``torch.save`` / ``torch.load(weights_only=True)``. ``load_state_dict`` takes
+        it back from either (and states of version 1, which held tensors)::
 
             {
-              "version": 1,
+              "version": 2,
               "epochs": int,          # iter() calls so far, this one included
               "rng": {                # the main process's RNGs now (restored by load_state_dict)
-                "torch": ByteTensor, "random": tuple, "numpy": tuple | None,
-                "generator": ByteTensor | None},       # loader.generator
+                "torch": str,         # torch.get_rng_state()'s bytes, base64
+                "random": [3, [int] * 625, float | None],    # random.getstate()
+                "numpy": [str, str, int, int, float] | None, # numpy's: name, its uint32 keys (base64), pos, gauss
+                "generator": str | None},                    # loader.generator's state, base64
               "mid_epoch": bool,      # False: between epochs
               "yielded": int,         # k, batches the user received this epoch
-              "sampler_rng": {"torch": ByteTensor, "generator": ByteTensor | None} | None,
+              "sampler_rng": {"torch": str, "generator": str | None} | None,
                                       # what the sampler drew from, just before its first index
+              "sampler_state": object, # a stateful sampler's state_dict() after batch k (else None)
               "base_seed": int,       # the epoch iterator's worker base seed
-              "dataset": object,      # num_workers=0, stateful IterableDataset: its state_dict()
+              "dataset": object,      # a stateful dataset's state_dict() (num_workers=0, worker threads)
+              "dataset_iter": object, # ... and the iterator's, where iter(dataset) is stateful (num_workers=0)
+              "num_workers": int,
+              "asked": int,           # indices asked of the sampler this epoch (some for tasks in flight)
               "next_worker": int,     # the worker whose task comes next (round robin)
               "workers": None | [     # None with num_workers=0 or between non-persistent epochs
                 None                  # a worker whose iterable ended and that has exited
-                | {"state": {"torch", "random", "numpy",   # its RNGs after its last task seen
-                             "dataset",                    # stateful IterableDataset's state_dict()
+                | {"state": {"torch", "random", "numpy",   # its RNGs after its last task seen, as "rng"'s
+                             "dataset", "dataset_iter",    # its stateful dataset's (iterator's) state_dict()
                              "batches": int,               # batches it made this epoch
                              "ended": bool},               # its iterable ended
                    "epoch_start": {"torch", "random", "numpy"}}  # its RNGs at the epoch's start
               ],
             }
 
-        Samplers are replayed from ``sampler_rng``: their order must depend only on the
-        torch RNG / ``generator`` state at the epoch's first index (RandomSampler,
-        SequentialSampler, DistributedSampler after the same ``set_epoch``, ...). An
-        IterableDataset without ``state_dict`` is fast-forwarded by reading (and
-        dropping) the batches already produced; one with ``state_dict()`` and
-        ``load_state_dict()`` is restored with them, in each worker. Needs
-        ``in_order=True``. Calling it with workers waits for the tasks they hold.
+        Samplers with ``state_dict()`` and ``load_state_dict()`` (torchdata's ``Stateful``)
+        are saved and restored with them, as torchdata does. Other samplers are replayed
+        from ``sampler_rng``: their order must depend only on the torch RNG / ``generator``
+        state at the epoch's first index (RandomSampler, SequentialSampler,
+        DistributedSampler after the same ``set_epoch``, ...). A dataset (map-style or
+        iterable) with ``state_dict()`` and ``load_state_dict()`` is restored with them, in
+        each worker: its state is loaded before ``iter(dataset)``, and the state of an
+        iterator that is itself stateful (``__iter__`` returning ``self``) after it. An
+        IterableDataset without them is fast-forwarded by reading (and dropping) the
+        batches already produced.
+
+        A loader with another ``num_workers`` resumes a map-style dataset's epoch exactly
+        (positions are the sampler's; the workers' random streams start afresh from the
+        epoch's base seed). Where positions are the workers' own (an IterableDataset's
+        shards mid-epoch, a stateful dataset's per-worker state), ``load_state_dict``
+        raises ``ValueError`` instead. Needs ``in_order=True``. Calling it with workers
+        waits for the tasks they hold.
         """
         return self._state_before(0)
 
@@ -286,31 +316,77 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         reads ahead of its consumer saves, without draining the workers at every batch as calling
         ``state_dict()`` then would."""
         rng = _state.main_rngs(self.generator)
+        if self._ff_resume is not None:  # loaded, and no iterator has started from it yet
+            return _state.encode(dict(self._ff_resume, version=STATE_VERSION, rng=rng))
         it, held_back = self._latest()
         held_back += behind
         state = {"version": STATE_VERSION, "epochs": self._ff_epochs, "rng": rng}
         if it is not None and (not it._finished or held_back or (self.persistent_workers and self.num_workers > 0)):
             state.update(it.state_dict(held_back))
         else:
-            state.update(mid_epoch=False, yielded=0, sampler_rng=None, base_seed=None, dataset=None,
-                         next_worker=0, workers=None)  # fmt: skip
-        return state
+            state.update(self._between_epochs())
+        return _state.encode(state)
+
+    def _between_epochs(self) -> dict:
+        """The position between epochs: the sampler's state, and the dataset's where this process iterates it."""
+        sampler = _state.sampler_of(self)
+        here = self.num_workers == 0 or self.worker_type == "thread"  # else workers iterate copies of it
+        dataset = _state.dataset_positions(self.dataset, None)[0] if here else None
+        return {
+            "mid_epoch": False, "yielded": 0, "sampler_rng": None,
+            "sampler_state": None if sampler is None else copy.deepcopy(sampler.state_dict()),
+            "base_seed": None, "dataset": dataset, "dataset_iter": None, "num_workers": self.num_workers,
+            "asked": 0, "next_worker": 0, "workers": None,
+        }  # fmt: skip
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Continue from ``state_dict`` (made by ``state_dict()``) at the next ``iter()``.
+        """Continue from ``state_dict`` (made by ``state_dict()``, or read back from JSON or ``torch.load``) at the
+        next ``iter()``.
 
         Restores the global RNGs (torch, random, numpy) and ``generator`` to what they
         were at ``state_dict()``, so a training loop's own random stream continues too.
+        Raises ``ValueError`` where the state cannot continue with this loader's
+        ``num_workers`` (see ``state_dict``).
         """
-        if state_dict.get("version") != STATE_VERSION:
-            raise ValueError(f"unknown DataLoader state version {state_dict.get('version')!r}")
+        if state_dict.get("version") not in STATE_VERSIONS:
+            raise ValueError(f"unknown DataLoader state version {state_dict.get('version')!r}: this fastfeed reads "
+                             f"versions {STATE_VERSIONS}")  # fmt: skip
+        state = self._fit_workers(_state.decode(state_dict))
         if self._iterator is not None:  # persistent workers: start afresh from the state
             self._iterator._shutdown_workers()
             self._iterator = None
-        _state.restore_main_rngs(state_dict["rng"], self.generator)
-        self._ff_epochs = state_dict["epochs"] - (1 if state_dict["mid_epoch"] else 0)
-        needed = state_dict["mid_epoch"] or state_dict["workers"] is not None
-        self._ff_resume = state_dict if needed else None
+        self._ff_kept = self._ff_last = self._ff_staged = None  # the loaded state is the state now
+        _state.restore_main_rngs(state["rng"], self.generator)
+        self._ff_epochs = state["epochs"] - (1 if state["mid_epoch"] else 0)
+        self._ff_resume = state
+
+    def _fit_workers(self, state: dict) -> dict:
+        """``state`` for this loader's ``num_workers``, or ValueError where positions are per worker."""
+        saved = state.get("num_workers")
+        if saved is None and state["workers"] is not None:  # version 1 said it only there
+            saved = len(state["workers"])
+        ours = self.num_workers
+        if saved is None or saved == ours or self._ff_tuner is not None:
+            return state
+        own = [state] + [w["state"] for w in state["workers"] or () if w is not None]
+        stateful = any(s.get("dataset") is not None or s.get("dataset_iter") is not None for s in own)
+        iterable = self._dataset_kind == _DatasetKind.Iterable
+        if stateful or (iterable and state["mid_epoch"]):
+            why = ("the dataset's own state was saved per worker" if stateful else
+                   "an IterableDataset's position mid-epoch is each worker's, in its own shard")  # fmt: skip
+            raise ValueError(
+                f"DataLoader.load_state_dict(): this state was saved with num_workers={saved} and this loader has "
+                f"num_workers={ours}; {why}, so it cannot continue with another count. Build the loader with "
+                f"num_workers={saved} to resume, or save the state between epochs (with persistent_workers=False)."
+            )
+        # Positions are the sampler's: the epoch continues where it was, its workers' random streams start afresh.
+        return dict(state, num_workers=ours, workers=None, next_worker=0)
+
+
+def _restores(state: dict) -> bool:
+    """Whether a loaded state has a position to restore (else the next iter() is a plain new epoch)."""
+    return bool(state["mid_epoch"] or state["workers"] is not None or state.get("sampler_state") is not None
+                or state.get("dataset") is not None)  # fmt: skip
 
 
 def _reader(reader, dataset, device) -> str | None:

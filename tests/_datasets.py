@@ -416,3 +416,162 @@ class StartLog(tud.Dataset):
         open(os.path.join(self.directory, str(i)), "w").close()
         time.sleep(self.delay)
         return torch.tensor([i])
+
+
+# -- resume cases (tests/test_resume_cases.py): plain ints, so torchdata's StatefulDataLoader and the candidate can
+# be compared sample for sample (torchdata does not restore the workers' RNGs, so nothing here draws from them).
+
+
+def _shard():
+    info = tud.get_worker_info()
+    return (0, 1) if info is None else (info.id, info.num_workers)
+
+
+class IndexMap(tud.Dataset):
+    """Map-style: item i is i."""
+
+    def __init__(self, n=100):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return i
+
+
+class CountingMap(IndexMap):
+    """Map-style and stateful: item i is 1000 * (items this copy had read before) + i; the count is its state."""
+
+    def __init__(self, n=100):
+        super().__init__(n)
+        self.reads = 0
+
+    def state_dict(self):
+        return {"reads": self.reads}
+
+    def load_state_dict(self, state):
+        self.reads = state["reads"]
+
+    def __getitem__(self, i):
+        self.reads += 1
+        return 1000 * (self.reads - 1) + i
+
+
+class IndexIterable(tud.IterableDataset):
+    """Iterable: worker k of n yields k, k+n, ... below `n`."""
+
+    def __init__(self, n=100):
+        self.n = n
+
+    def __iter__(self):
+        first, step = _shard()
+        return iter(range(first, self.n, step))
+
+
+class EpochIterable(tud.IterableDataset):
+    """Stateful iterable: each fresh ``__iter__`` starts epoch e+1 and yields 1000 * e + its shard's indices.
+
+    Its state is the epoch and position; a state loaded before ``__iter__`` continues there.
+    """
+
+    def __init__(self, n=100):
+        self.n, self.epoch, self.pos = n, 0, None
+        self._loaded = None
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state):
+        self._loaded = dict(state)
+
+    def __iter__(self):
+        first, step = _shard()
+        loaded, self._loaded = self._loaded, None
+        if loaded is not None:
+            self.epoch, self.pos = loaded["epoch"], loaded["pos"]
+            if self.pos is None or self.pos >= self.n:  # saved after an epoch's end: the next epoch
+                self.epoch, self.pos = self.epoch + 1, first
+        else:
+            self.epoch, self.pos = self.epoch + 1, first
+        while self.pos < self.n:
+            index = self.pos
+            self.pos += step
+            yield 1000 * self.epoch + index
+
+
+class PoppingIterable(EpochIterable):
+    """EpochIterable whose ``load_state_dict`` takes its argument apart (pops its keys), as some datasets do."""
+
+    def load_state_dict(self, state):
+        self._loaded = {"epoch": state.pop("epoch"), "pos": state.pop("pos")}
+
+
+class SelfIterable(tud.IterableDataset):
+    """Stateful iterable whose ``__iter__`` returns itself, starting its shard over; its state is its position."""
+
+    def __init__(self, n=100):
+        self.n, self.pos, self.step = n, 0, 1
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.pos = state["pos"]
+
+    def __iter__(self):
+        self.pos, self.step = _shard()
+        return self
+
+    def __next__(self):
+        if self.pos >= self.n:
+            raise StopIteration
+        index = self.pos
+        self.pos += self.step
+        return index
+
+
+class FixedOrderSampler(tud.Sampler):
+    """Stateless: the same shuffled order of range(n) every epoch (fixed at construction)."""
+
+    def __init__(self, n, seed=0):
+        self.order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+
+    def __len__(self):
+        return len(self.order)
+
+    def __iter__(self):
+        return iter(self.order)
+
+
+class StatefulSampler(tud.Sampler):
+    """Stateful, as torchdata's samplers are: epoch e is a permutation seeded by e; the state is (epoch, position).
+
+    A state loaded before ``__iter__`` continues that epoch from that position (or starts the next one, if it
+    was saved at its end).
+    """
+
+    def __init__(self, n, seed=0):
+        self.n, self.seed, self.epoch, self.pos = n, seed, -1, 0
+        self._loaded = None
+
+    def __len__(self):
+        return self.n
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state):
+        self._loaded = dict(state)
+
+    def __iter__(self):
+        loaded, self._loaded = self._loaded, None
+        if loaded is not None and 0 <= loaded["epoch"] and loaded["pos"] < self.n:
+            self.epoch, self.pos = loaded["epoch"], loaded["pos"]
+        else:
+            self.epoch, self.pos = (self.epoch if loaded is None else loaded["epoch"]) + 1, 0
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        while self.pos < self.n:
+            index = order[self.pos]
+            self.pos += 1
+            yield index

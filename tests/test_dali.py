@@ -271,6 +271,66 @@ def test_bad_arguments_are_refused_with_what_to_do(jpegs):
         next(iter(loader(jpegs, output_map=("images",))))
 
 
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """torch.cuda as on a two-GPU machine whose current device is cuda:1 (set_device(1)); nothing else of CUDA."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+
+
+def test_device_cuda_means_the_current_device_for_the_pipeline_too(jpegs, two_gpus):
+    """device="cuda" after set_device(1): batches go to cuda:1 and the pipeline's device_id is 1, not GPU 0;
+    an explicit index is kept, and one this process cannot see is refused naming the devices it can."""
+    dl = loader(jpegs, device="cuda", numa="off")
+    assert dl.device == torch.device("cuda", 1) and dl._kwargs["device_id"] == 1
+    dl = loader(jpegs, device="cuda:0", numa="off")
+    assert dl.device == torch.device("cuda", 0) and dl._kwargs["device_id"] == 0
+    with pytest.raises(ValueError, match=r"sees 2 CUDA device\(s\), cuda:0 to cuda:1"):
+        loader(jpegs, device="cuda:2", numa="off")
+
+
+def test_cpu_outputs_for_the_gpu_wait_in_pinned_buffers_until_their_copy_completed(jpegs, two_gpus, monkeypatch):
+    """A CPU pipeline with device="cuda": each output is copied to the GPU from a pinned buffer, and no buffer is
+    rewritten while its copy is queued (the GPU never catches up here); the same run with copies reported done at
+    once (no guard) gives wrong batches, so the check can fail."""
+    from fastfeed.dali import staging
+
+    def run(fake):
+        monkeypatch.setattr(staging, "CUDA", fake)
+        dl = loader(jpegs, device="cuda", device_id=None, numa="off")
+        batches = list(dl)  # no copy has completed unless staging waited for it
+        fake.complete()
+        return batches
+
+    fake = _dali.FakeCuda()
+    batches = run(fake)
+    assert [x for b in batches for x in _dali.ids(b)] == ALL
+    assert [y for b in batches for y in b[1].tolist()] == [0] * 7 + [1] * 7 + [2] * 7
+    # 6 batches, 2 outputs: 4 buffers each, and the 5th and 6th batches waited for the 1st's and 2nd's copies.
+    assert len(fake.pinned_buffers) == 2 * staging.DEPTH and fake.waits == 2 * 2
+    unguarded = _dali.FakeCuda()
+    unguarded.done = lambda event: True
+    assert [x for b in run(unguarded) for x in _dali.ids(b)] != ALL
+
+
+def test_pinned_buffers_are_reused_when_the_gpu_keeps_up(jpegs, two_gpus, monkeypatch):
+    """Copies that complete before the next batch: one pinned buffer per output serves every batch of every epoch,
+    the last, shorter batch included, and nothing waits."""
+    from fastfeed.dali import staging
+
+    fake = _dali.FakeCuda()
+    monkeypatch.setattr(staging, "CUDA", fake)
+    dl = loader(jpegs, device="cuda", device_id=None, numa="off")
+    for _ in range(2):
+        seen = []
+        for batch in dl:
+            fake.complete()
+            seen += _dali.ids(batch)
+        assert seen == ALL
+    assert len(fake.pinned_buffers) == 2 and fake.waits == 0
+
+
 def test_outputs_of_different_shapes_get_a_clear_error(tmp_path):
     """DALI batches of ragged images cannot become one tensor: the error says to resize or crop in the pipeline."""
     root = _dali.make_folder(tmp_path / "a", classes=("a",), per_class=2, size=(8, 8))

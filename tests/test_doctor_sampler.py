@@ -13,9 +13,13 @@ import time
 import types
 
 import pytest
+import torch
+from _sysfs import make_tree
 
+from fastfeed import topology
 from fastfeed.doctor import sampler as sm
 from fastfeed.doctor.sampler import Reading, Sampler
+from fastfeed.topology import normalize_bus_id
 
 THREAD = "fastfeed-doctor-sampler"
 NEVER_A_PID = 2**22 + 1  # above the kernel's largest pid_max
@@ -192,48 +196,125 @@ def test_without_pynvml_the_gpu_fields_are_none(monkeypatch):
     assert all(x[k] is None for x in s.samples for k in sm.GPU_KEYS)
 
 
-def fake_pynvml(calls: list, init_error: bool = False) -> types.ModuleType:
-    """A pynvml stand-in: one GPU at 75% busy, 30% memory busy, 2 MB/s in over PCIe, tx NotSupported."""
+# The machine the fake NVML describes: four GPUs in PCI bus order (NVML's form of the address), the second one
+# split into two MIG instances. Each GPU's utilisation tells which one a sample was read from.
+MACHINE = [
+    ("00000000:1A:00.0", "GPU-a1a1a1a1-0000-4000-8000-000000000001", ()),
+    ("00000000:3B:00.0", "GPU-b2b2b2b2-0000-4000-8000-000000000002",
+     ("MIG-5c5c5c5c-0000-5000-8000-000000000001", "MIG-6d6d6d6d-0000-5000-8000-000000000002")),
+    ("00000000:86:00.0", "GPU-c3c3c3c3-0000-4000-8000-000000000003", ()),
+    ("00000000:AF:00.0", "GPU-d4d4d4d4-0000-4000-8000-000000000004", ()),
+]  # fmt: skip
+BUS_IDS = ["0000:1a:00.0", "0000:3b:00.0", "0000:86:00.0", "0000:af:00.0"]  # as sysfs writes them
+
+
+def fake_pynvml(calls: list, init_error: bool = False, pcie_s: float = 0.0) -> types.ModuleType:
+    """A pynvml stand-in for MACHINE: GPU i is 10*(i+1)% busy, 30% memory busy, 2 MB/s in over PCIe (after
+    ``pcie_s`` seconds, NVML's sampling window), tx NotSupported. ``calls`` records init, shutdown, the
+    handle each utilisation reading used, and each PCIe reading."""
     m = types.ModuleType("pynvml")
     m.NVMLError = type("NVMLError", (Exception,), {})
     m.NVMLError_NotSupported = type("NVMLError_NotSupported", (m.NVMLError,), {})
+    m.NVMLError_NotFound = type("NVMLError_NotFound", (m.NVMLError,), {})
+    m.NVMLError_InvalidArgument = type("NVMLError_InvalidArgument", (m.NVMLError,), {})
     m.NVMLError_LibraryNotFound = type("NVMLError_LibraryNotFound", (m.NVMLError,), {})
     m.NVML_PCIE_UTIL_TX_BYTES, m.NVML_PCIE_UTIL_RX_BYTES = 0, 1
+    migs = {mig: (i, j) for i, (_, _, names) in enumerate(MACHINE) for j, mig in enumerate(names)}
 
     def init():
         calls.append("init")
         if init_error:
             raise m.NVMLError_LibraryNotFound()
 
+    def by_index(index):
+        if not 0 <= index < len(MACHINE):
+            raise m.NVMLError_InvalidArgument()
+        return f"gpu{index}"
+
+    def by_pci(bus_id):
+        wanted = normalize_bus_id(bus_id)
+        for i, (bus, _, _) in enumerate(MACHINE):
+            if normalize_bus_id(bus) == wanted:
+                return f"gpu{i}"
+        raise m.NVMLError_NotFound()
+
+    def by_uuid(uuid):
+        for i, (_, gpu_uuid, _) in enumerate(MACHINE):
+            if uuid == gpu_uuid:
+                return f"gpu{i}"
+        if uuid in migs:
+            return "mig{}.{}".format(*migs[uuid])
+        raise m.NVMLError_NotFound()
+
+    def index_of(handle):
+        if not handle.startswith("gpu"):
+            raise m.NVMLError_InvalidArgument()
+        return int(handle[3:])
+
+    def utilization(handle):
+        calls.append(("util", handle))
+        return types.SimpleNamespace(gpu=10 * (index_of(handle) + 1), memory=30)
+
     def pcie(handle, counter):
+        time.sleep(pcie_s)
+        calls.append("pcie")
         if counter == m.NVML_PCIE_UTIL_TX_BYTES:
             raise m.NVMLError_NotSupported()
         return 2000
 
     m.nvmlInit, m.nvmlShutdown = init, lambda: calls.append("shutdown")
-    m.nvmlDeviceGetHandleByIndex = lambda index: calls.append(("handle", index)) or f"gpu{index}"
+    m.nvmlDeviceGetCount = lambda: len(MACHINE)
+    m.nvmlDeviceGetHandleByIndex = by_index
+    m.nvmlDeviceGetHandleByPciBusId = by_pci
+    m.nvmlDeviceGetHandleByUUID = by_uuid
+    m.nvmlDeviceGetDeviceHandleFromMigDeviceHandle = lambda mig: "gpu" + mig[3:].split(".")[0]
+    m.nvmlDeviceGetIndex = index_of
+    m.nvmlDeviceGetPciInfo = lambda handle: types.SimpleNamespace(busId=MACHINE[index_of(handle)][0])
+    m.nvmlDeviceGetUUID = lambda handle: MACHINE[index_of(handle)][1]
     m.nvmlDeviceGetName = lambda handle: b"Fake GPU"
-    m.nvmlDeviceGetUtilizationRates = lambda handle: types.SimpleNamespace(gpu=75, memory=30)
+    m.nvmlDeviceGetUtilizationRates = utilization
     m.nvmlDeviceGetMemoryInfo = lambda handle: types.SimpleNamespace(used=123, free=877, total=1000)
     m.nvmlDeviceGetPcieThroughput = pcie
     return m
 
 
-def test_nvml_figures_are_scaled_and_a_call_nvml_refuses_is_none(monkeypatch):
-    """With NVML the GPU fields are shares, bytes and MB/s; a NotSupported call is None; stop shuts NVML down once."""
+@pytest.fixture
+def machine(monkeypatch, tmp_path):
+    """MACHINE behind a fake NVML, its GPUs also in a fake sysfs tree that stands for the real one (so that
+    discovery asks NVML, as on a real machine); CUDA not initialised, no torchrun or CUDA variables."""
     calls = []
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(calls))
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    root = make_tree(tmp_path, nodes={0: "0-3", 1: "4-7"}, gpus=[(bus, i // 2, None) for i, bus in enumerate(BUS_IDS)])
+    monkeypatch.setenv("FASTFEED_SYSFS_ROOT", root)
+    monkeypatch.setattr(topology, "REAL_ROOT", os.path.realpath(root))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    for key in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    return calls
+
+
+def watched(calls: list) -> int:
+    """Sample for a moment: which of MACHINE's GPUs the readings came from (the one the sampler says it watches)."""
+    s = run_sampler(0.12)
+    used = {c[1] for c in calls if isinstance(c, tuple) and c[0] == "util"}
+    assert len(used) == 1, used
+    index = int(used.pop()[3:])
+    assert s.gpu["index"] == index and s.samples[-1]["gpu_util"] == (index + 1) / 10
+    return index
+
+
+def test_nvml_figures_are_scaled_and_a_call_nvml_refuses_is_none(machine):
+    """With NVML the GPU fields are shares, bytes and MB/s; a NotSupported call is None; stop shuts NVML down once."""
     s = Sampler(0.05).start()
     time.sleep(0.15)
     s.stop()
     s.stop()
-    assert s.gpu == {"index": 3, "name": "Fake GPU"}
-    assert calls[:2] == ["init", ("handle", 3)] and calls.count("shutdown") == 1 and calls[-1] == "shutdown"
+    assert s.gpu == {"index": 0, "name": "Fake GPU", "bus_id": BUS_IDS[0]}
+    assert machine[0] == "init" and machine.count("shutdown") == machine.count("init") and machine[-1] == "shutdown"
     x = s.samples[-1]
-    assert (x["gpu_util"], x["gpu_mem_util"], x["gpu_mem_used"]) == (0.75, 0.3, 123)
+    assert (x["gpu_util"], x["gpu_mem_util"], x["gpu_mem_used"]) == (0.1, 0.3, 123)
     assert x["pcie_rx_mbps"] == pytest.approx(2.0) and x["pcie_tx_mbps"] is None
-    assert run_sampler(0.06, gpu_index=5).gpu["index"] == 5
+    assert run_sampler(0.06, gpu_index=2).gpu == {"index": 2, "name": "Fake GPU"}  # an NVML index, as it is
 
 
 def test_an_nvml_that_fails_to_start_means_no_gpu(monkeypatch, caplog):
@@ -246,18 +327,72 @@ def test_an_nvml_that_fails_to_start_means_no_gpu(monkeypatch, caplog):
     assert all(x[k] is None for x in s.samples for k in sm.GPU_KEYS)
 
 
-def test_gpu_index_maps_the_current_device_through_cuda_visible_devices(monkeypatch):
-    """The current CUDA device (0 before CUDA starts) is mapped to its physical index when the list holds integers."""
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setitem(sys.modules, "torch", None)
-    assert sm.gpu_index() == 0
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, 5")
-    assert sm.gpu_index() == 3
-    cuda = types.SimpleNamespace(is_initialized=lambda: True, current_device=lambda: 1)
-    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
-    assert sm.gpu_index() == 5
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8f2c,GPU-11aa")
-    assert sm.gpu_index() == 1
+@pytest.mark.parametrize("visible,bus", [
+    ("3,1", 3),  # indices: cuda:0 is NVML's GPU 3
+    ("GPU-c3c3c3c3-0000-4000-8000-000000000003,GPU-a1a1a1a1-0000-4000-8000-000000000001", 2),  # UUIDs
+    ("GPU-d4d4,GPU-a1a1", 3),  # unique UUID prefixes, as CUDA takes them
+])  # fmt: skip
+def test_cuda_visible_devices_by_index_or_uuid_picks_the_gpu_cuda_calls_cuda_0(machine, monkeypatch, visible, bus):
+    """Before CUDA starts, cuda:0 is the first entry of CUDA_VISIBLE_DEVICES, found by its PCI address and opened
+    by it: a UUID list watches that GPU, not NVML's GPU 0."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert watched(machine) == bus
+
+
+@pytest.mark.parametrize("visible", ["MIG-6d6d6d6d-0000-5000-8000-000000000002",
+                                     "MIG-GPU-b2b2b2b2-0000-4000-8000-000000000002/1/0"])  # fmt: skip
+def test_a_mig_instance_watches_the_gpu_it_is_carved_from(machine, monkeypatch, visible):
+    """A MIG entry in CUDA_VISIBLE_DEVICES (today's MIG-<uuid>, or the old MIG-GPU-<uuid>/gi/ci) means its GPU."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert watched(machine) == 1
+
+
+@pytest.mark.parametrize("visible,bus", [(None, 1), ("2,3", 3), ("2", 2)])
+def test_a_torchrun_rank_before_cuda_starts_watches_its_local_ranks_gpu(machine, monkeypatch, visible, bus):
+    """LOCAL_RANK=1 before CUDA is initialised: cuda:1, as fastfeed's NUMA plan assumes; with one GPU visible per
+    rank, that one."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    if visible is not None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert watched(machine) == bus
+
+
+def test_once_cuda_is_up_torchs_pci_address_wins(machine, monkeypatch):
+    """With CUDA initialised, the current device's PCI address from torch decides (CUDA's FASTEST_FIRST order
+    need not be PCI order), and CUDA_VISIBLE_DEVICES is not second-guessed."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    props = {0: "00000000:1A:00.0", 1: "00000000:86:00.0"}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(pci_bus_id=props[i]))
+    assert watched(machine) == 2
+
+
+def test_a_device_no_gpu_matches_gives_no_gpu_figures(machine, monkeypatch):
+    """CUDA_VISIBLE_DEVICES naming no GPU here (an empty list hides them all) means no GPU figures, not GPU 0's."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    s = run_sampler(0.1)
+    assert s.gpu is None and all(x[k] is None for x in s.samples for k in sm.GPU_KEYS)
+    assert machine.count("init") == machine.count("shutdown")
+
+
+def test_pcie_readings_do_not_delay_the_tick(machine, monkeypatch):
+    """NVML's PCIe call waits out its 20 ms window (twice, rx and tx): read on a thread of its own, it leaves each
+    sample on time and the 0.1 s cadence whole, its figures still arrive, and it stops before NVML shuts down."""
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(machine, pcie_s=0.02))
+    late = []
+    with Sampler(0.1, on_tick=lambda x: late.append(time.perf_counter() - x["t"])) as s:
+        time.sleep(0.75)
+    assert len(s.samples) >= 5
+    assert statistics.median(late) < 0.01  # read in the tick, a sample would be 40 ms old when handed on
+    assert 0.09 <= statistics.median(x["dt"] for x in s.samples) <= 0.11
+    assert s.samples[-1]["pcie_rx_mbps"] == pytest.approx(2.0) and machine.count("pcie") >= 6
+    assert machine[-1] == "shutdown" and not any(t.name == "fastfeed-doctor-pcie" for t in threading.enumerate())
+    with Sampler(0.03) as fast:  # shorter than the two windows: only a separate thread can keep it
+        time.sleep(0.45)
+    assert statistics.median(x["dt"] for x in fast.samples) <= 0.036
 
 
 def test_on_tick_sees_every_sample():

@@ -1,4 +1,11 @@
-"""On a CUDA machine: pinned ring slots, batches on the device, the device transform. Skipped without CUDA."""
+"""On a CUDA machine: pinned ring slots, batches on the device, copies that run late, the device transform.
+
+Skipped without CUDA. `bash scripts/gpu_check.sh` runs this file (through pytest, or scripts/gpu_tests.py where
+pytest is not installed: keep to the pytest pieces that runner provides) before the checks of
+fastfeed/bench/gpu/.
+"""
+
+import warnings
 
 import pytest
 import torch
@@ -13,13 +20,19 @@ pytestmark = [
 import fastfeed  # noqa: E402
 
 
-def test_pin_memory_batches_are_pinned_views_of_registered_slots():
-    """pin_memory=True: every tensor is pinned, and is a view of a ring slot (no pinned copy)."""
+def test_pin_memory_batches_are_pinned_and_views_of_registered_slots_once_registered():
+    """pin_memory=True: every tensor is pinned; once the first epoch's slots are registered (in the background),
+    every batch of the next epoch is a view of a ring slot (no pinned copy)."""
+    from fastfeed._ring import pinner
+
     loader = fastfeed.DataLoader(ds.PlainDataset(64), batch_size=4, num_workers=2, pin_memory=True)
+    for batch in loader:  # the first epoch: batches in slots still being registered are copied, as torch's are
+        assert batch["x"].is_pinned() and batch["index"].is_pinned()
+    del batch
+    assert pinner.flush(30)
     it = iter(loader)
-    slots = {s.segment.address for s in it._ring._slots}
     for batch in it:
-        slots |= {s.segment.address for s in it._ring._slots}
+        slots = {s.segment.address for s in it._ring._slots}
         assert batch["x"].is_pinned() and batch["index"].is_pinned()
         assert batch["x"].untyped_storage().data_ptr() in slots
 
@@ -36,13 +49,77 @@ def test_device_batches_equal_the_cpu_batches(worker_type):
         assert torch.equal(batch["x"].cpu(), want["x"]) and torch.equal(batch["index"].cpu(), want["index"])
 
 
-def test_a_slow_consumer_never_sees_a_rewritten_slot():
-    """With the consumer stream busy before each read, every batch still holds its own data."""
-    loader = fastfeed.DataLoader(ds.PlainDataset(400), batch_size=4, num_workers=2, device="cuda",
-                                 device_prefetch=3)  # fmt: skip
-    for n, batch in enumerate(loader):
-        torch.cuda._sleep(1_000_000)
-        assert batch["x"][:, 0].tolist() == [float(i) for i in range(4 * n, 4 * n + 4)]
+def _cycles_per_ms():
+    """How many clock cycles of torch.cuda._sleep make a millisecond on this GPU (timed with events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return 10_000_000 / start.elapsed_time(end)
+
+
+def _expect_rows(x, first):
+    """Rows of PlainDataset batches hold their index throughout: check the first and last column."""
+    want = [float(i) for i in range(first, first + x.shape[0])]
+    return x[:, 0].tolist() == want and x[:, -1].tolist() == want
+
+
+def test_pin_memory_copies_queued_behind_kernels_read_their_own_batch():
+    """pin_memory=True without device=: a .cuda(non_blocking=True) queued behind 50 ms of kernels, whose CPU batch
+    dies at once while workers wait for slots, still copies that batch (its slot is not rewritten first)."""
+    loader = fastfeed.DataLoader(ds.PlainDataset(120, width=16384), batch_size=4, num_workers=2, pin_memory=True,
+                                 prefetch_factor=4)  # fmt: skip
+    cycles = int(50 * _cycles_per_ms())
+    kept = []
+    for batch in loader:
+        torch.cuda._sleep(cycles)  # the previous step's kernels, still running
+        kept.append(batch["x"].cuda(non_blocking=True))
+        del batch
+    torch.cuda.synchronize()
+    bad = [n for n, x in enumerate(kept) if not _expect_rows(x.cpu(), 4 * n)]
+    assert len(kept) == 30 and not bad, f"batches {bad} were rewritten before their copy read them"
+
+
+def test_the_device_stage_keeps_each_slot_until_its_delayed_copy_read_it():
+    """device="cuda" with 20 ms queued on the copy stream before every copy, and a slow consumer: every batch
+    holds its own rows, so no slot went back to the workers before its copy had read it."""
+    from fastfeed import transfer
+
+    cycles = int(_cycles_per_ms())
+    real, made = transfer.copier_for, []
+
+    def delayed(stage):
+        copier = real(stage)
+        start = copier.start
+
+        def late_start(batch):
+            with torch.cuda.stream(copier.stream):
+                torch.cuda._sleep(20 * cycles)
+            return start(batch)
+
+        copier.start = late_start
+        made.append(copier)
+        return copier
+
+    loader = fastfeed.DataLoader(ds.PlainDataset(120, width=16384), batch_size=4, num_workers=2, device="cuda",
+                                 device_prefetch=2)  # fmt: skip
+    transfer.copier_for = delayed
+    try:
+        it = iter(loader)
+    finally:
+        transfer.copier_for = real
+    assert made, "the device stage did not take its copier from transfer.copier_for"
+    kept = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fastfeed.RingGrowthWarning)  # the host runs ahead of the late copies
+        for batch in it:
+            torch.cuda._sleep(10 * cycles)
+            kept.append(batch["x"])
+    torch.cuda.synchronize()
+    bad = [n for n, x in enumerate(kept) if not _expect_rows(x.cpu(), 4 * n)]
+    assert len(kept) == 30 and not bad, f"batches {bad} were rewritten before their copy read them"
 
 
 def test_non_tensor_leaves_pass_through_unchanged():

@@ -94,3 +94,30 @@ def test_a_deleted_loader_unlinks_its_ring():
     del loader
     gc.collect()
     assert not glob.glob(f"/dev/shm{prefix}*")
+
+
+@pytest.mark.fastfeed_only
+def test_a_forked_copy_of_a_live_iterator_leaves_the_parents_workers_and_segments_alone():
+    """Dropping, in a forked child, its copy of an iterator (and of the loader's ring) neither stops the parent's
+    workers nor unlinks the parent's segments: the parent's epoch goes on to the end."""
+    import os
+
+    loader = DataLoader(ds.PlainDataset(64), batch_size=4, num_workers=2)
+    it = iter(loader)
+    first = [next(it)["index"].tolist() for _ in range(2)]
+    names = {slot.segment.name for slot in it._ring._slots}
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest, nothing escapes
+        code = 1
+        try:
+            del it
+            loader._ff_ring = None
+            gc.collect()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert all(glob.glob("/dev/shm" + name) for name in names), "the child unlinked the parent's segments"
+    rest = [b["index"].tolist() for b in it]
+    assert first + rest == [list(range(4 * n, 4 * n + 4)) for n in range(16)]

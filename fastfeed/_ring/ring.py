@@ -22,6 +22,7 @@ right NUMA node. It is released when the loader is.
 from __future__ import annotations
 
 import collections
+import os
 import warnings
 import weakref
 
@@ -69,7 +70,7 @@ class Ring:
             segments.reclaim()
         self.prefix = segments.new_prefix()
         # Unlinks the ring's names even if it is never closed cleanly.
-        self._finalizer = weakref.finalize(self, segments.sweep, self.prefix)
+        self._finalizer = weakref.finalize(self, _sweep_in, os.getpid(), self.prefix)
         self.control = Control.create(self.prefix)
         self._slots: list[Slot] = []
         self.set_quiet(quiet)
@@ -216,6 +217,12 @@ class Ring:
         self._finalizer()
         _settle(self._fenced)
         self._slots.clear()
+
+
+def _sweep_in(owner: int, prefix: str) -> None:
+    # A forked child's copy of the ring dies there too: the names are the parent's to unlink.
+    if os.getpid() == owner:
+        segments.sweep(prefix)
 
 
 def _settle(fenced: collections.deque) -> None:

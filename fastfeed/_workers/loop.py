@@ -167,13 +167,16 @@ def _plain(rngs) -> dict:
     return rngs if isinstance(rngs, dict) else _state.rngs_to_plain(rngs)
 
 
-def _state_reply(worker_id, after_idx, snapshots, epoch_start) -> m.StateReply:
+def _state_reply(worker_id, after_idx, snapshots, epoch_start, start_positions) -> m.StateReply:
     start = _plain(epoch_start)
     if after_idx is None:  # no task of this epoch was seen yet
-        return m.StateReply(worker_id, dict(start, dataset=None, batches=0, ended=False), start)
-    for idx, rngs, ds_state, n_batches, ended in reversed(snapshots):
+        ds_state, it_state = start_positions or (None, None)
+        state = dict(start, dataset=ds_state, dataset_iter=it_state, batches=0, ended=False)
+        return m.StateReply(worker_id, state, start)
+    for idx, rngs, positions, n_batches, ended in reversed(snapshots):
         if idx == after_idx:
-            state = dict(_plain(rngs), dataset=ds_state, batches=n_batches, ended=ended)
+            ds_state, it_state = positions or (None, None)
+            state = dict(_plain(rngs), dataset=ds_state, dataset_iter=it_state, batches=n_batches, ended=ended)
             return m.StateReply(worker_id, state, start)
     raise RuntimeError(f"worker {worker_id} no longer holds its state after task {after_idx}")
 
@@ -267,6 +270,7 @@ def serve(worker_id, spec: WorkerSpec, dataset, writer: SlotWriter, get, put, re
     if prefetch is not None:
         get = readahead.Ahead(get, prefetch, spec.auto_collation)
     init_error = None
+    fetcher = None
     try:
         if spec.init_fn is not None:
             spec.init_fn(worker_id)
@@ -274,20 +278,31 @@ def serve(worker_id, spec: WorkerSpec, dataset, writer: SlotWriter, get, put, re
     except Exception:
         init_error = ExceptionWrapper(where=where)
 
-    # State for DataLoader.state_dict(): the RNGs at the start of this epoch, and
-    # after each recent task (idx, rngs, dataset state, batches this epoch, ended).
-    stateful = track_state and kind == _DatasetKind.Iterable and _state.is_stateful_dataset(dataset)
+    def has_state() -> bool:
+        """The dataset, or the iterator it gave, saves its own position (torchdata's ``Stateful``)."""
+        it = getattr(fetcher, "dataset_iter", None)
+        return track_state and (_state.is_stateful(dataset) or _state.is_stateful(it))
+
+    # State for DataLoader.state_dict(): the RNGs at the start of this epoch, and after each recent task
+    # (idx, rngs, (dataset's state, its iterator's), batches this epoch, ended); a stateful dataset's state at
+    # the start of this epoch.
+    stateful = has_state()
     snapshots = collections.deque(maxlen=spec.history if track_state else 0)
     n_batches = 0
     iteration_end = False
+    retry_empty = False  # a dataset restored at an epoch's end may end at once: its next epoch is a fresh iter()
     epoch_start = snapshot()
+    start_positions = _state.dataset_positions(dataset, fetcher) if stateful else None
     if resume is not None and init_error is None:
         state = resume["state"]
+        positions = (state["dataset"], state.get("dataset_iter"))
+        restore = positions != (None, None)
         if resume["mid_epoch"]:
             epoch_start = resume["epoch_start"]
-            if stateful and state["dataset"] is not None:
-                dataset.load_state_dict(state["dataset"])
-                fetcher = new_fetcher()
+            if restore:
+                _state.restore_rngs(epoch_start)  # what iter(dataset) drew from when this epoch began
+                fetcher = _state.restore_dataset(dataset, *positions, new_fetcher)
+                retry_empty = kind == _DatasetKind.Iterable and not state["batches"]
             elif kind == _DatasetKind.Iterable and state["batches"]:
                 # A plain iterable: replay this epoch's batches from its start, unseen.
                 _state.restore_rngs(epoch_start)
@@ -295,11 +310,20 @@ def serve(worker_id, spec: WorkerSpec, dataset, writer: SlotWriter, get, put, re
                 for _ in range(state["batches"]):
                     fetcher.fetch(resume["replay_index"])
             n_batches, iteration_end = state["batches"], state["ended"]
+        elif restore:  # persistent workers between epochs: the dataset as it was, and a new epoch of it
+            _state.restore_rngs(state)
+            fetcher = _state.restore_dataset(dataset, *positions, new_fetcher)
+            retry_empty = kind == _DatasetKind.Iterable
         _state.restore_rngs(state)
+        stateful = has_state()
+        # The dataset was given copies: what it does with them leaves the state to report as it was saved.
         if resume["mid_epoch"]:  # the state to report until this worker's next task is seen
-            snapshots.append((-1, state, state["dataset"], n_batches, iteration_end))
+            snapshots.append((-1, state, positions if restore else None, n_batches, iteration_end))
+            if not n_batches:
+                start_positions = positions if restore else None
         else:  # a new epoch of persistent workers begins here
             epoch_start = snapshot()
+            start_positions = positions if restore else None
 
     while True:
         task = get()
@@ -307,15 +331,17 @@ def serve(worker_id, spec: WorkerSpec, dataset, writer: SlotWriter, get, put, re
         if task is None or msg_kind is m.Stop:
             break
         if msg_kind is m.Resume:
-            iteration_end = False
+            iteration_end = retry_empty = False
             dataset = _seed_datapipe(dataset, task.shared_seed)
             fetcher = new_fetcher()
             snapshots.clear()
             n_batches, epoch_start = 0, snapshot()
+            stateful = has_state()
+            start_positions = _state.dataset_positions(dataset, fetcher) if stateful else None
             put(m.ResumeAck(worker_id))
             continue
         if msg_kind is m.StateRequest:
-            put(_state_reply(worker_id, task.after_idx, snapshots, epoch_start))
+            put(_state_reply(worker_id, task.after_idx, snapshots, epoch_start, start_positions))
             continue
         if iteration_end:
             continue  # torch skips tasks after exhaustion, sending nothing
@@ -325,13 +351,21 @@ def serve(worker_id, spec: WorkerSpec, dataset, writer: SlotWriter, get, put, re
             try:
                 collating[0] = 0.0
                 t0 = clock()
-                batch = fetcher.fetch(task.index)
+                try:
+                    batch = fetcher.fetch(task.index)
+                except StopIteration:
+                    if not retry_empty:
+                        raise
+                    fetcher = new_fetcher()  # it continued the epoch that had ended: the next is a fresh iter()
+                    batch = fetcher.fetch(task.index)
                 t1 = clock()
                 # The write into the slot is the rest of collating.
                 reply = writer.write(task, batch, worker_id, t1 - t0 - collating[0], collating[0], t1, spec.timed)
                 del batch
                 n_batches += 1
+                retry_empty = False
             except Exception as e:
+                retry_empty = False
                 if isinstance(e, StopIteration) and kind == _DatasetKind.Iterable:
                     reply = m.IterEnd(task.idx, worker_id)
                     iteration_end = True
@@ -340,7 +374,7 @@ def serve(worker_id, spec: WorkerSpec, dataset, writer: SlotWriter, get, put, re
                     reply = m.Failed(task.idx, worker_id, wrapper)
         if track_state:
             snapshots.append((
-                task.idx, snapshot(), _state.dataset_state(dataset) if stateful else None,
+                task.idx, snapshot(), _state.dataset_positions(dataset, fetcher) if stateful else None,
                 n_batches, iteration_end,
             ))  # fmt: skip
         put(reply)

@@ -4,7 +4,7 @@ fastfeed bench [WORKLOAD ... | module:attr] [--loaders torch,fastfeed,fastfeed-t
                [--num-workers 0,2,4|auto] [--rounds N] [--quick] [--step S] [--out DIR] [--plot] [--json] [--markdown]
 fastfeed bench --from REPORT.json [--markdown] [--plot] [WORKLOAD ...]    tables or plots of a saved report
 fastfeed bench --compare OLD.json NEW.json [--threshold 0.1]             exit 1 when a figure regressed
-fastfeed bench gpu                                                       the GPU checks (needs CUDA)
+fastfeed bench gpu [--out DIR]                                           the GPU checks (needs CUDA; exit 2 without)
 
 Workloads: transport (bytes to the consumer), overhead (a batch's own cost), jpeg (decode; fastfeed's
 processes, threads and DALI), text (tokenising in Python), startup (time to the first batch), files (storage
@@ -68,7 +68,7 @@ def main(args) -> int:
     if args.targets == ["gpu"]:
         from .suites import gpu
 
-        return gpu.main([])
+        return gpu.main(["--out", str(args.out)])
     try:
         loaders = _loaders(args.loaders) if args.loaders else list(LOADERS)
         counts = _counts(args.num_workers)

@@ -1,4 +1,8 @@
-"""DALI outputs to torch tensors: one copy, from DALI's buffer (reused by its next run) into a new tensor."""
+"""DALI outputs to torch tensors: one copy, from DALI's buffer (reused by its next run) into a new tensor.
+
+A CPU output bound for a GPU is copied into a reused pinned buffer instead, and from there to the GPU without
+blocking the host (``staging``).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ import ctypes
 import torch
 from nvidia.dali import types
 from nvidia.dali.tensors import TensorListGPU
+
+from .staging import PinnedStaging
 
 TORCH_TYPES = {
     types.DALIDataType.FLOAT: torch.float32,
@@ -27,6 +33,7 @@ class Converter:
     def __init__(self, names: list[str], device: torch.device | None):
         self.names = names
         self.device = device
+        self._staging = PinnedStaging(device) if device is not None and device.type == "cuda" else None
 
     def __call__(self, outputs, real: int | None) -> dict:
         if len(outputs) != len(self.names):
@@ -53,6 +60,12 @@ class Converter:
             # On the consumer's stream: work queued after this on it sees the batch, without a host sync.
             dense.copy_to_external(ctypes.c_void_p(tensor.data_ptr()), ctypes.c_void_p(stream.cuda_stream),
                                    non_blocking=True)  # fmt: skip
+        elif self._staging is not None:
+
+            def fill(host: torch.Tensor) -> None:
+                dense.copy_to_external(ctypes.c_void_p(host.data_ptr()))
+
+            return self._staging.copy(name, shape, dtype, fill, real)
         else:
             tensor = torch.empty(shape, dtype=dtype)
             dense.copy_to_external(ctypes.c_void_p(tensor.data_ptr()))

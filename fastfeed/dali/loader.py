@@ -43,8 +43,10 @@ class DALILoader:
         reader_name: the ``name=`` of the pipeline's reader, whose size defines the epoch.
         last_batch: ``"partial"`` (torch's default), ``"drop"`` (``drop_last=True``) or ``"pad"``
             (a full last batch, filled with copies of the shard's last sample).
-        device: where batches go (``"cpu"``, ``"cuda:N"``); None leaves them where the pipeline
-            made them. For a ``pipeline_def``, a CUDA device is also the pipeline's ``device_id``.
+        device: where batches go (``"cpu"``, ``"cuda:N"``, or ``"cuda"``: the current device); None leaves them
+            where the pipeline made them. For a ``pipeline_def``, a CUDA device is also the pipeline's
+            ``device_id``. CPU outputs bound for a GPU go through reused pinned buffers, so their copy does not
+            block the loop.
         auto_shard: shard the reader by rank under ``torch.distributed`` or torchrun.
         numa: ``"auto"`` places DALI's threads on the GPU's NUMA node (CUDA only), a node
             number places them there, ``"off"`` leaves them alone.
@@ -305,6 +307,14 @@ def _device(device) -> torch.device | None:
                            f"{torch.__version__}); use device=None or 'cpu' with a CPU pipeline")  # fmt: skip
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {str(device)!r}")
+    if device.type == "cuda":
+        # "cuda" is torch's current device (set_device), as for tensor.to("cuda"); DALI needs the number.
+        index = torch.cuda.current_device() if device.index is None else device.index
+        count = torch.cuda.device_count()
+        if index >= count:
+            raise ValueError(f"DALILoader(device={str(device)!r}): this process sees {count} CUDA device(s), "
+                             f"cuda:0 to cuda:{count - 1} (CUDA_VISIBLE_DEVICES narrows them)")  # fmt: skip
+        device = torch.device("cuda", index)
     return device
 
 
@@ -329,7 +339,7 @@ def _pipeline_kwargs(kwargs: dict, device: torch.device | None) -> dict:
         kwargs["num_threads"] = rank_cpus({"device": device} if device is not None else {})
     kwargs.setdefault("prefetch_queue_depth", 2)
     if "device_id" not in kwargs:
-        kwargs["device_id"] = device.index or 0 if device is not None and device.type == "cuda" else None
+        kwargs["device_id"] = device.index if device is not None and device.type == "cuda" else None
     if kwargs.get("seed") is None:
         kwargs["seed"] = int(torch.empty((), dtype=torch.int64).random_(0, 2**31 - 1).item())
     return kwargs

@@ -26,8 +26,12 @@ so every sample has real deltas. Figures that cannot be read here are None. Fiel
   both ends of the interval; can exceed 1 for a multi-threaded process.
 - ``gpu_util``, ``gpu_mem_util``: 0..1, NVML's utilisation rates (time a kernel ran; time memory was read or
   written) of the watched GPU. ``gpu_mem_used``: bytes of its memory in use.
-- ``pcie_rx_mbps``, ``pcie_tx_mbps``: MB/s over its PCIe link (NVML's KB/s ÷ 1000), rx into the GPU.
+- ``pcie_rx_mbps``, ``pcie_tx_mbps``: MB/s over its PCIe link (NVML's KB/s ÷ 1000), rx into the GPU: the latest
+  reading of a thread of their own, since NVML takes each of them over a 20 ms window (see ``_Pcie``).
   The GPU fields are None without NVML, and each one where this GPU does not report it.
+
+The GPU watched is this process's CUDA device, found by its PCI address (``watched_gpu``): NVML's indices are not
+CUDA's once ``CUDA_VISIBLE_DEVICES`` reorders the GPUs, names them by UUID or selects a MIG instance.
 """
 
 from __future__ import annotations
@@ -215,10 +219,12 @@ class Probe:
 
     Args:
         pids: returns the processes to watch now; called at each reading.
-        gpu_index: the NVML index of the GPU to watch; None: the one this process uses (see ``gpu_index``).
+        gpu_index: the NVML index of the GPU to watch; None: the one this process uses (see ``watched_gpu``).
+        pcie_interval: seconds between PCIe readings (the sampler's interval).
     """
 
-    def __init__(self, pids: Callable[[], Iterable[int]] = lambda: (), gpu_index: int | None = None) -> None:
+    def __init__(self, pids: Callable[[], Iterable[int]] = lambda: (), gpu_index: int | None = None,
+                 pcie_interval: float = 0.1) -> None:  # fmt: skip
         self._pids = pids
         self._stat = _ProcFile("/proc/stat")
         allowed = os.sched_getaffinity(0)
@@ -231,6 +237,7 @@ class Probe:
         self._main = _open(f"/proc/self/task/{threading.main_thread().native_id}/stat")
         self._procs: dict[int, _ProcFile] = {}
         self._nvml, self._handle, self.gpu = _nvml_open(gpu_index)
+        self._pcie = _Pcie(self._nvml, self._handle, pcie_interval) if self._nvml is not None else None
 
     def read(self) -> Reading:
         """The counters now."""
@@ -239,7 +246,7 @@ class Probe:
                           _parsed(self._psi_cpu, parse_pressure), _parsed(self._psi_io, parse_pressure),
                           _parsed(self._diskstats, lambda text: parse_diskstats(text, self.disks)),
                           _parsed(self._main, parse_ticks), self._read_procs())  # fmt: skip
-        reading.gpu = self._read_gpu()  # last: NVML's PCIe counters sample for ~20 ms (with the GIL released)
+        reading.gpu = self._read_gpu()
         return reading
 
     def _read_procs(self) -> dict[int, int]:
@@ -267,8 +274,7 @@ class Probe:
         nvml, handle = self._nvml, self._handle
         rates = _nvml_call(nvml, "nvmlDeviceGetUtilizationRates", handle)
         memory = _nvml_call(nvml, "nvmlDeviceGetMemoryInfo", handle)
-        rx = _nvml_call(nvml, "nvmlDeviceGetPcieThroughput", handle, nvml.NVML_PCIE_UTIL_RX_BYTES)
-        tx = _nvml_call(nvml, "nvmlDeviceGetPcieThroughput", handle, nvml.NVML_PCIE_UTIL_TX_BYTES)
+        rx, tx = self._pcie.latest
         return {"gpu_util": None if rates is None else rates.gpu / 100,
                 "gpu_mem_util": None if rates is None else rates.memory / 100,
                 "gpu_mem_used": None if memory is None else int(memory.used),
@@ -280,6 +286,9 @@ class Probe:
             if f is not None:
                 f.close()
         self._procs.clear()
+        if self._pcie is not None:
+            self._pcie.close()  # before NVML shuts down under its calls
+            self._pcie = None
         if self._nvml is not None:
             _nvml_call(self._nvml, "nvmlShutdown")
             self._nvml = self._handle = None
@@ -293,22 +302,77 @@ def _parsed(f: _ProcFile | None, parse: Callable[[str], object]):
 # -- NVML -----------------------------------------------------------------------------------------------------------
 
 
-def gpu_index() -> int:
-    """The NVML index of the GPU this process uses: its current CUDA device, mapped through CUDA_VISIBLE_DEVICES.
+def cuda_index() -> int:
+    """The CUDA device this process uses, or most likely will: torch's current device once CUDA is initialised.
 
-    CUDA not initialised yet (the usual case when a watch starts) means device 0, the one it will most likely
-    use. torch is only consulted if something imported it already, and CUDA is never initialised here.
+    Before that (the usual case when a watch starts), the rank's device as fastfeed's NUMA plan assumes it:
+    torchrun's ``LOCAL_RANK`` (local rank r uses ``cuda:r``), else 0. torch is only consulted if something
+    imported it already, and CUDA is never initialised here.
     """
     torch = sys.modules.get("torch")
-    logical = torch.cuda.current_device() if torch is not None and torch.cuda.is_initialized() else 0
-    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
-    if logical < len(visible) and all(v.isdigit() for v in visible):
-        return int(visible[logical])
-    return logical  # no list, or UUIDs: take the logical index as NVML's
+    if torch is not None and torch.cuda.is_initialized():
+        return torch.cuda.current_device()
+    from .. import affinity
+
+    try:
+        return affinity._env_int("LOCAL_RANK", 0)
+    except ValueError as e:  # the loader refuses it with this message; the doctor just watches the likeliest GPU
+        log.debug("fastfeed doctor: %s: watching cuda:0", e)
+        return 0
+
+
+def watched_gpu(pynvml, index: int | None = None, topo=None):
+    """The GPU (``topology.Gpu``: its PCI address) that is CUDA's ``cuda:index`` here; None: unknown or none.
+
+    ``index`` None: ``cuda_index()``; a local rank beyond the devices visible falls back to ``cuda:0`` (one GPU
+    per rank through ``CUDA_VISIBLE_DEVICES``). Once CUDA is up, torch's answer wins. MIG instances in
+    ``CUDA_VISIBLE_DEVICES`` stand for the GPU they are carved from: NVML's figures are per GPU. ``pynvml``
+    (initialised) resolves MIG UUIDs; ``topo``: ``topology.discover()`` when None.
+    """
+    from .. import topology
+
+    torch = sys.modules.get("torch")
+    cuda_up = torch is not None and torch.cuda.is_initialized()
+    guessed = index is None and not cuda_up  # from LOCAL_RANK
+    index = cuda_index() if index is None else index
+    topo = topology.discover() if topo is None else topo
+    gpu = topo.gpu_for_cuda_index(index) if cuda_up else None
+    if gpu is None:
+        env = _without_mig(pynvml, os.environ)  # a copy: torch is not asked, so CUDA is not initialised
+        gpu = topo.gpu_for_cuda_index(index, env)
+        if gpu is None and guessed and index > 0:
+            gpu = topo.gpu_for_cuda_index(0, env)
+    return gpu
+
+
+def _without_mig(pynvml, environ) -> dict:
+    """``environ`` with each MIG entry of ``CUDA_VISIBLE_DEVICES`` replaced by its GPU's UUID."""
+    env = dict(environ)
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(_mig_parent(pynvml, e.strip()) for e in visible.split(","))
+    return env
+
+
+def _mig_parent(pynvml, entry: str) -> str:
+    """The ``GPU-`` UUID of the GPU a ``MIG-`` entry is carved from (``entry`` itself when not MIG, or unknown)."""
+    if not entry.upper().startswith("MIG-"):
+        return entry
+    if entry.upper().startswith("MIG-GPU-"):  # drivers before R470: MIG-GPU-<gpu uuid>/<gi>/<ci>
+        return entry[4:].split("/", 1)[0]
+    try:
+        mig = pynvml.nvmlDeviceGetHandleByUUID(entry)
+        return _text(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(mig)))
+    except pynvml.NVMLError as e:
+        log.debug("fastfeed doctor: %s names no MIG instance NVML knows (%s)", entry, e)
+        return entry
 
 
 def _nvml_open(index: int | None):
-    """``(pynvml, handle, {"index", "name"})`` of the GPU to watch, or ``(None, None, None)`` without NVML."""
+    """``(pynvml, handle, {"index", "name"[, "bus_id"]})`` of the GPU to watch, or ``(None, None, None)``.
+
+    ``index``: an NVML index; None: this process's GPU (``watched_gpu``), opened by its PCI address.
+    """
     try:
         import pynvml
     except ImportError:
@@ -319,14 +383,70 @@ def _nvml_open(index: int | None):
         log.debug("fastfeed doctor: no GPU figures (%s)", e)
         return None, None, None
     try:
-        index = gpu_index() if index is None else index
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        name = pynvml.nvmlDeviceGetName(handle)
+        handle, gpu = _nvml_handle(pynvml, index)
     except pynvml.NVMLError as e:
         log.debug("fastfeed doctor: no GPU figures (%s)", e)
+        handle = None
+    if handle is None:
         _nvml_call(pynvml, "nvmlShutdown")
         return None, None, None
-    return pynvml, handle, {"index": index, "name": name.decode() if isinstance(name, bytes) else str(name)}
+    return pynvml, handle, gpu
+
+
+def _nvml_handle(pynvml, index: int | None):
+    if index is not None:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        return handle, {"index": index, "name": _text(pynvml.nvmlDeviceGetName(handle))}
+    from .. import topology
+
+    topo = topology.discover()
+    gpu = watched_gpu(pynvml, topo=topo)
+    if gpu is None:
+        log.debug("fastfeed doctor: no GPU figures (cuda:%d matches no GPU found here; CUDA_VISIBLE_DEVICES=%r)",
+                  cuda_index(), os.environ.get("CUDA_VISIBLE_DEVICES"))  # fmt: skip
+        return None, None
+    handle = pynvml.nvmlDeviceGetHandleByPciBusId(gpu.bus_id)  # NVML's nvmlDeviceGetHandleByPciBusId_v2
+    index = _nvml_call(pynvml, "nvmlDeviceGetIndex", handle)
+    if index is None:  # NVML numbers GPUs in PCI bus order, as topology lists them
+        index = topo.gpus.index(gpu)
+    return handle, {"index": index, "name": _text(pynvml.nvmlDeviceGetName(handle)), "bus_id": gpu.bus_id}
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class _Pcie:
+    """NVML's PCIe throughput (rx, tx KB/s), read every ``interval`` on a thread of its own.
+
+    Each counter is measured over a 20 ms window that the call waits out: read in the tick, the two would make
+    every sample (and the next tick) 40 ms late. The call releases the GIL, so the thread costs the loop nothing.
+    ``latest`` is the last reading, (None, None) before the first.
+    """
+
+    def __init__(self, nvml, handle, interval: float) -> None:
+        self.latest: tuple[int | None, int | None] = (None, None)
+        self._nvml, self._handle, self._interval = nvml, handle, interval
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fastfeed-doctor-pcie", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        nvml = self._nvml
+        while True:
+            t0 = time.perf_counter()
+            rx = _nvml_call(nvml, "nvmlDeviceGetPcieThroughput", self._handle, nvml.NVML_PCIE_UTIL_RX_BYTES)
+            tx = _nvml_call(nvml, "nvmlDeviceGetPcieThroughput", self._handle, nvml.NVML_PCIE_UTIL_TX_BYTES)
+            self.latest = (rx, tx)
+            if rx is None and tx is None:
+                return  # this GPU reports neither
+            if self._stopping.wait(max(0.0, self._interval - (time.perf_counter() - t0))):
+                return
+
+    def close(self) -> None:
+        """Stop the thread, waiting out a reading in progress."""
+        self._stopping.set()
+        self._thread.join()
 
 
 def _nvml_call(pynvml, name: str, *args):
@@ -346,11 +466,12 @@ class Sampler:
     Args:
         interval: seconds between readings.
         pids: returns the worker processes to watch now (called each tick).
-        gpu_index: NVML index of the GPU to watch; None: the one this process uses (``gpu_index()``).
+        gpu_index: NVML index of the GPU to watch; None: the one this process uses (``watched_gpu()``).
         on_tick: called on the thread with each sample once it is appended; an exception in it is logged once
             on the ``fastfeed`` logger and sampling goes on.
 
-    ``gpu`` is ``{"index", "name"}`` of the GPU watched once started, None without NVML.
+    ``gpu`` is ``{"index", "name"}`` of the GPU watched once started (and ``"bus_id"``, its PCI address, when
+    found as this process's GPU), None without NVML.
     """
 
     def __init__(self, interval: float = 0.1, pids: Callable[[], Iterable[int]] = lambda: (),
@@ -368,7 +489,7 @@ class Sampler:
         """Open the counters, take the baseline reading and start the thread."""
         if self._thread is not None:
             raise RuntimeError("this Sampler was started already")
-        self._probe = Probe(self._pids, self._gpu_index)
+        self._probe = Probe(self._pids, self._gpu_index, self.interval)
         self.gpu = self._probe.gpu
         try:
             first = self._probe.read()
