@@ -89,7 +89,7 @@ def test_transport(tmp_path, bench_env):
     assert set(summary) == {f"transport nw=2{vs} epochs of {n}" for vs in ("", " vs torch nw=0") for n in (6, 12)}
     for n in (6, 12):
         check_epochs(result, n)
-        same, vs0 = summary[f"transport nw=2 epochs of {n}"], summary[f"transport nw=2 vs torch nw=0 epochs of {n}"]
+        same = summary[f"transport nw=2 epochs of {n}"]
         assert target_of(result, f"transport nw=2 epochs of {n}", "throughput") == ">= 6.0x"
         assert target_of(result, f"transport nw=2 vs torch nw=0 epochs of {n}", "throughput") == ">= 1.0x"
         assert same["throughput"]["unit"] == "GB/s" and same["ttfb_hot"]["median"] > 0
