@@ -462,7 +462,8 @@ def test_gds_read_errors_surface_at_their_own_batch(tmp_path, arrays, kvikio_log
 
 
 def test_gds_dropping_the_iterator_stops_its_reader_thread(tmp_path, arrays, kvikio_log):
-    """An epoch's iterator dropped mid-epoch stops and joins its reader thread and closes its files."""
+    """An epoch's iterator left mid-epoch (a `break`) keeps its reader until the next epoch starts, which stops and
+    joins it and closes its files first; dropping the loader stops the last one."""
     paths, _ = tokens(tmp_path, [3000], "r")
     ds = arrays(paths, np.uint16, (), window=100)
     loader = gds_loader(ds, batch_size=8, device_prefetch=2)
@@ -471,9 +472,14 @@ def test_gds_dropping_the_iterator_stops_its_reader_thread(tmp_path, arrays, kvi
     assert len(reader_threads()) == 1
     del it
     gc.collect()
+    assert loader.state_dict()["yielded"] == 1  # the loader keeps it so that a state after `break` is exact
+    first = list(reader_threads())
+    assert len(next(iter(loader))) == 8  # a new epoch: the old reader is stopped and a new one started
+    assert kvikio_log.closed == paths and not any(t in reader_threads() for t in first)
+    del loader
+    gc.collect()
     assert not reader_threads()
-    assert kvikio_log.closed == kvikio_log.opened == paths
-    assert len(next(iter(loader))) == 8  # a new epoch starts its own
+    assert kvikio_log.closed == kvikio_log.opened == paths * 2
 
 
 def test_gds_sets_kvikios_threads_from_the_plan(tmp_path, arrays, kvikio_log, monkeypatch):
