@@ -78,6 +78,7 @@ class Ring:
         self.numa_node = numa_node
         self.device = device
         self._pinner = pinner.for_device(device) if pin else None
+        # The process's pinner keeps every failure; this ring reports (once) only those after it was made.
         self._failures_seen = 0 if self._pinner is None else len(self._pinner.failures)
         # Set by each iterator: guards pinned slots the user copies from (fence.py); None when nothing does.
         self.fence = None
@@ -159,7 +160,7 @@ class Ring:
         if not isinstance(memory, Slot):
             return torch.frombuffer(memory, dtype=torch.uint8)
         slot_id, lent, control, segment = memory.slot_id, self._lent, self.control, memory.segment
-        fence, fenced = (self.fence if self.pin else None), self._fenced
+        fence, fenced = self.fence, self._fenced  # set only on a pinned ring
         lent.add(slot_id)
 
         def free():
@@ -184,17 +185,15 @@ class Ring:
                 self.control.release(entry[2])
             else:
                 fenced.append(entry)
-        if self._pinner is not None and len(self._pinner.failures) > self._failures_seen:
-            self._failures_seen = len(self._pinner.failures)
-            if not self._failed:
-                self._failed = True
-                warnings.warn(
-                    f"fastfeed could not register a ring segment with CUDA ({self._pinner.failures[-1]}); batches "
-                    "in such segments are not pinned, and pin_memory=True copies them into pinned memory as torch "
-                    "does. Locked memory may be exhausted (ulimit -l), or the GPU virtualised.",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
+        if self._pinner is not None and not self._failed and len(self._pinner.failures) > self._failures_seen:
+            self._failed = True
+            warnings.warn(
+                f"fastfeed could not register a ring segment with CUDA ({self._pinner.failures[-1]}); batches "
+                "in such segments are not pinned, and pin_memory=True copies them into pinned memory as torch "
+                "does. Locked memory may be exhausted (ulimit -l), or the GPU virtualised.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def release(self, memory) -> None:
         """Return what ``receive`` gave when its batch is not handed out."""
