@@ -114,11 +114,40 @@ def figure_rows(report: dict):
                         yield dict(workload=name, key=f"{key} {side}", figure="throughput", median=st["ratio"],
                                    min=st["min"], max=st["max"], numerator=num, denominator=den,
                                    unit="files/s" if key != "tokens" else "windows/s")
+        elif entry["kind"] == "shards":
+            yield from _shards_rows(name, res)
         elif entry["kind"] == "tune":
             for row in res["rows"]:
                 for fig, key in (("throughput", "throughput_ratio"), ("tune_time", "time_ratio")):
                     yield dict(workload=name, key=row["workload"], figure=fig, median=row[key], min=None, max=None,
                                numerator=None, denominator=None, unit="x grid")
+
+
+def _shards_rows(name: str, res: dict):
+    """The shards workload's figures: fastfeed over each peer (throughput, first batch) per storage, resumed over
+    started (time to first batch) per loader, and epoch 2's downloads over the ideal ``data - cache`` per cache."""
+    for storage in ("http", "local"):
+        part = res.get(storage) or {}
+        mine = (part.get("loaders") or {}).get("fastfeed")
+        for peer, figs in (part.get("vs") or {}).items():
+            theirs = part["loaders"][peer]
+            for fig, key, unit in (("throughput", "samples_per_s", "samples/s"), ("ttfb", "ttfb_s", "s")):
+                st = figs[fig]
+                yield dict(workload=name, key=f"{storage} fastfeed/{peer}", figure=fig, median=st["median"],
+                           min=st["min"], max=st["max"], numerator=mine[key], denominator=theirs[key], unit=unit)
+    for loader, figs in (res.get("resume") or {}).items():
+        if isinstance(figs, dict):
+            st = figs["ratio"]
+            yield dict(workload=name, key=f"resume {loader}", figure="resume_ttfb", median=st["median"],
+                       min=st["min"], max=st["max"], numerator=figs["resume_ttfb_s"],
+                       denominator=figs["start_ttfb_s"], unit="s")
+    cache = res.get("cache") or {}
+    for side in ("fastfeed", "lru", "belady", "mosaic", "webdataset"):
+        figs = cache.get(side)
+        if figs and figs.get("epoch2_bytes") is not None:
+            ideal = figs.get("ideal_bytes", cache["ideal_bytes"])
+            yield dict(workload=name, key=f"cache {side}", figure="epoch2_bytes", median=figs["epoch2_bytes"] / ideal,
+                       min=None, max=None, numerator=figs["epoch2_bytes"], denominator=ideal, unit="bytes")
 
 
 # --- markdown -------------------------------------------------------------------------------
@@ -136,6 +165,8 @@ def markdown(report: dict, names=None) -> str:
 def _table(name: str, entry: dict) -> str:
     if entry["kind"] == "files":
         return _files_table(entry["result"])
+    if entry["kind"] == "shards":
+        return shards_markdown(entry["result"])
     if entry["kind"] == "tune":
         from .suites.tune import markdown as tune_markdown
 
@@ -231,3 +262,58 @@ def compare(old: dict, new: dict, threshold: float) -> tuple[list[str], list[str
 def print_lines(lines, file=sys.stdout) -> None:
     for line in lines:
         print(line, file=file)
+
+
+# --- shards ------------------------------------------------------------------------------------------------------
+
+SHARD_LOADERS = {"fastfeed": "fastfeed.io.Shards", "webdataset": "webdataset", "mosaic": "Mosaic StreamingDataset"}
+
+
+def _mb(n: float) -> str:
+    return f"{fmt(n / 1e6)} MB"
+
+
+def shards_markdown(res: dict) -> str:
+    """The shards workload's tables: throughput and first batch per storage and loader, resume, cache."""
+    lines = ["**shards**", "", "| storage | loader | samples/s | fastfeed / this, samples/s | first batch | "
+             "fastfeed / this, first batch |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for storage in ("http", "local"):
+        part = res.get(storage)
+        for loader, figs in (part or {}).get("loaders", {}).items():
+            vs = part["vs"].get(loader, {})
+            lines.append(f"| {storage} | {SHARD_LOADERS[loader]} | {fmt(figs['samples_per_s'])} "
+                         f"({fmt(figs['mb_per_s'])} MB/s) | {_ratio(vs.get('throughput'), bold=True)} | "
+                         f"{fmt(figs['ttfb_s'] * 1e3)} ms | {_ratio(vs.get('ttfb'))} |")
+    resume = res.get("resume")
+    if resume:
+        lines += ["", "| loader (http) | first batch, epoch start | first batch, resumed at 50% | resumed / start |",
+                  "|---|---|---|---|"]
+        for loader, figs in resume.items():
+            if isinstance(figs, dict):
+                lines.append(f"| {SHARD_LOADERS[loader]} | {fmt(figs['start_ttfb_s'] * 1e3)} ms | "
+                             f"{fmt(figs['resume_ttfb_s'] * 1e3)} ms | {_ratio(figs['ratio'], bold=True)} |")
+            else:
+                lines.append(f"| {SHARD_LOADERS[loader]} | - | {figs} | - |")
+    cache = res.get("cache")
+    if cache:
+        lines += ["", f"| epoch 2's downloads (http), data 2x the cache | downloaded | / (data - cache) |",
+                  "|---|---|---|"]
+        names = {"fastfeed": "fastfeed.io.Shards (farthest next use)", "lru": "LRU", "belady": "farthest next use",
+                 "mosaic": "Mosaic StreamingDataset (cache_limit)", "webdataset": "webdataset (no cache)"}
+        for side, label in names.items():
+            figs = cache.get(side)
+            if not figs:
+                continue
+            how = figs.get("how")
+            label = f"{label}: {how}" if how else label
+            if figs.get("epoch2_bytes") is None:
+                lines.append(f"| {label} | {figs.get('error', 'no figure')} | - |")
+                continue
+            ideal = figs.get("ideal_bytes", cache["ideal_bytes"])
+            lines.append(f"| {label} | {_mb(figs['epoch2_bytes'])} | **{figs['epoch2_bytes'] / ideal:.2f}x** |")
+        mosaic = cache.get("mosaic")
+        lines.append("")
+        lines.append(f"Data {_mb(cache['data_bytes'])} of tar shards, cache {_mb(cache['cache_bytes'])}"
+                     + (f"; Mosaic's MDS {_mb(mosaic['data_bytes'])}, cache_limit {_mb(mosaic['cache_bytes'])}"
+                        if mosaic else "") + ".")
+    return "\n".join(lines)

@@ -3,7 +3,8 @@
 A suite's ``main(argv)`` is what its script under ``benchmarks/`` runs; here it gets the options that
 apply to it and returns its result, which the report keeps under the workload's name with its kind:
 ``comparison`` (the runner's interleaved rounds: transport, overhead, jpeg, text, startup), ``files``
-(storage behind latency, read-ahead and cache) or ``tune`` (the tuner against an exhaustive grid).
+(storage behind latency, read-ahead and cache), ``shards`` (tar shards: fastfeed.io.Shards against webdataset and
+Mosaic's streaming) or ``tune`` (the tuner against an exhaustive grid).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from . import extras
 
 KINDS = {"transport": "comparison", "overhead": "comparison", "jpeg": "comparison", "text": "comparison",
-         "startup": "comparison", "files": "files", "tune": "tune"}  # fmt: skip
+         "startup": "comparison", "files": "files", "shards": "shards", "tune": "tune"}  # fmt: skip
 STANDARD = tuple(KINDS)
 NEEDS_WORKERS = {"jpeg": "compares worker processes, threads and DALI's threads", "startup": "times worker start-up"}
 
@@ -33,7 +34,7 @@ def run(name: str, *, quick: bool, rounds: int | None, num_workers: list | None,
     """
     suite = importlib.import_module(f"fastfeed.bench.suites.{name}")
     kind = KINDS[name]
-    argv = (["--out", str(out)] if kind != "files" else []) + (["--quick"] if quick else [])
+    argv = (["--out", str(out)] if kind not in ("files", "shards") else []) + (["--quick"] if quick else [])
     if rounds is not None and kind != "tune":
         argv += ["--rounds", str(rounds)]
     if num_workers and kind == "comparison":
