@@ -187,6 +187,7 @@ def test_resolve_globs_and_single_paths(tmp_path, memfs):
         memfs.pipe(f"{root}/{name}", b"x")
     assert sources.resolve(f"{root}/x-*.tar") == [f"{root}/x-0.tar", f"{root}/x-1.tar"]
     assert sources.resolve(f"{root}/y-0.tar") == [f"{root}/y-0.tar"]
+    assert sources.resolve(f"{root}/{{y,x}}-*.tar") == [f"{root}/y-0.tar", f"{root}/x-0.tar", f"{root}/x-1.tar"]
     assert sources.resolve(f"file://{tmp_path}/a-*.tar") == [f"file://{tmp_path}/a-0.tar",
                                                              f"file://{tmp_path}/a-1.tar"]  # fmt: skip
 
@@ -374,15 +375,18 @@ def test_scanner_rejects_a_key_that_comes_back_and_a_repeated_ext(tmp_path):
 
 
 def test_index_shards_raises_on_a_truncated_or_missing_shard(written, tmp_path):
-    """A shard cut in a header or in data, or missing, raises ShardError naming it."""
+    """A shard cut in a header or in a member's data, or missing, raises ShardError naming it."""
     _, urls, _ = written
     raw = open(urls[0], "rb").read()
-    for cut, detail in ((512 + 200, "cut short in a header"), (3000, "cut short in the data")):
+    with tarfile.open(urls[0]) as t:
+        first, second = t.getmembers()[:2]
+    for cut, detail in ((second.offset + 100, "cut short in a header"),
+                        (first.offset_data + 100, "cut short in the data of member '000000000.jpg'")):  # fmt: skip
         bad = tmp_path / f"cut-{cut}.tar"
-        bad.write_bytes(raw[:cut] if cut != 512 + 200 else raw[: len(raw) - 1024 - 1000])
+        bad.write_bytes(raw[:cut])
         with pytest.raises(ShardError, match=detail) as e:
             index_shards([bad])
-        assert e.value.shard == str(bad)
+        assert e.value.shard == str(bad) and e.value.key == "000000000"
     with pytest.raises(ShardError, match="not found") as e:
         index_shards([tmp_path / "gone.tar"])
     assert e.value.shard == str(tmp_path / "gone.tar")
@@ -600,14 +604,16 @@ def test_write_shards_progress_bar(tmp_path, capsys):
 
 
 def test_webdataset_reads_write_shards_output(tmp_path):
-    """webdataset.WebDataset reads write_shards' shards as-is: the same keys and bytes, in order."""
+    """webdataset.WebDataset reads write_shards' shards as-is: the same keys and bytes, in order, each from the shard
+    the index names."""
     wds = pytest.importorskip("webdataset")
     data = _samples(25)
     urls = write_shards(data, tmp_path, shard_bytes=30_000, num_workers=2, progress=False)
     got = list(wds.WebDataset(urls, shardshuffle=False))
     assert [s["__key__"] for s in got] == [f"{i:09d}" for i in range(len(data))]
     assert [{k: v for k, v in s.items() if not k.startswith("__")} for s in got] == [_expected(d) for d in data]
-    assert [s["__url__"] for s in got][::10] == [got[i]["__url__"] for i in range(0, 25, 10)]
+    index = ShardIndex.load(tmp_path)
+    assert [s["__url__"] for s in got] == [index.urls[index.locate(i)[0]] for i in range(len(data))]
 
 
 def test_shards_written_by_webdataset_index_and_read_back(tmp_path):

@@ -312,8 +312,8 @@ def scan_shard(url: str, storage_options: dict | None = None, fs_cache: dict | N
             f = open(url, "rb", buffering=0)
     except FileNotFoundError:
         raise ShardError(url, "not found") from None
-    except OSError as e:
-        raise ShardError(url, f"could not be opened ({e})") from None
+    except Exception as e:
+        raise ShardError(url, f"could not be opened ({type(e).__name__}: {e})") from e
     with f:
         scan = Scan(f, url)
         keys, offsets = [], []
@@ -323,8 +323,8 @@ def scan_shard(url: str, storage_options: dict | None = None, fs_cache: dict | N
                 offsets.append(at)
         except ShardError:
             raise
-        except OSError as e:
-            raise ShardError(url, f"read failed ({e})", keys[-1] if keys else None) from None
+        except Exception as e:  # a failed request mid-stream: fsspec's clients raise more than OSError
+            raise ShardError(url, f"read failed ({type(e).__name__}: {e})", keys[-1] if keys else None) from e
     offsets.append(scan.end)
     return {"url": url, "size": scan.size, "crc32": scan.crc, "keys": keys, "offsets": offsets}
 

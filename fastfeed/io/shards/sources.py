@@ -53,7 +53,11 @@ def resolve(source, storage_options: dict | None = None) -> list[str]:
     if not source:
         raise ValueError("shard source is an empty string")
     if _has_braces(source):
-        return [_absolute(s) for s in braceexpand(source)]
+        out = []
+        for s in braceexpand(source):
+            # A glob inside a pattern ("{train,val}/*.tar") is listed; a plain name is taken as given, unlisted.
+            out.extend(resolve(s, storage_options) if _GLOB.search(s.split("://", 1)[-1]) else [_absolute(s)])
+        return out
     if is_url(source) or source.startswith("file://"):
         return _resolve_url(source, storage_options)
     if _GLOB.search(source):

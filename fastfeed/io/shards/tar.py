@@ -309,7 +309,9 @@ class Scan:
                     r.skip(_padded(size) - size)
                 else:
                     if r.skip(size) < size:
-                        raise ValueError(f"cut short in the data of member {pax_name or long_name or h.name!r}")
+                        name = pax_name or long_name or h.name
+                        raise ShardError(shard, f"cut short in the data of member {name!r} (at byte {at + BLOCK}, "
+                                         f"{size} bytes)", split(name)[0] or current)  # fmt: skip
                     r.skip(_padded(size) - size)  # a last member without its padding is read whole by tarfile
                 if first_header is None:
                     first_header = at

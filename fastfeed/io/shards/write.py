@@ -9,6 +9,7 @@ is written to a temporary name and renamed when local, streamed to its URL other
 
 from __future__ import annotations
 
+import collections
 import io
 import json
 import os
@@ -31,7 +32,8 @@ _IMAGE_FORMATS = {"jpg": "JPEG", "jpeg": "JPEG", "png": "PNG", "webp": "WEBP", "
 
 def write_shards(dataset, dest, *, shard_bytes: int = SHARD_BYTES, encode: Callable | None = None,
                  num_workers: int | None = None, pattern: str = "shard-%06d.tar", progress: bool = True,
-                 storage_options: dict | None = None, overwrite: bool = False, chunksize: int = 64) -> list[str]:  # fmt: skip
+                 storage_options: dict | None = None, overwrite: bool = False,
+                 chunksize: int = 64) -> list[str]:  # fmt: skip
     """Write ``dataset`` into tar shards that webdataset and ``fastfeed.io.Shards`` read, with their index.
 
     Args:
@@ -70,7 +72,8 @@ def write_shards(dataset, dest, *, shard_bytes: int = SHARD_BYTES, encode: Calla
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
         raise ValueError(f"write_shards: num_workers must be an int >= 0, got {num_workers!r}")
     if encode is not None and not callable(encode):
-        raise TypeError(f"write_shards: encode must be callable (sample -> {{ext: value}}), got {type(encode).__name__}")
+        raise TypeError("write_shards: encode must be callable (sample -> {ext: value}), "
+                        f"got {type(encode).__name__}")  # fmt: skip
     try:
         pattern % 0
     except (TypeError, ValueError):
@@ -121,33 +124,41 @@ def write_shards(dataset, dest, *, shard_bytes: int = SHARD_BYTES, encode: Calla
 
 
 def _encoded(dataset, encode, num_workers: int, chunksize: int) -> Iterator[tuple[str | None, list]]:
-    """``(key or None, [(ext, bytes)])`` of every sample, in order."""
+    """``(key or None, [(ext, bytes)])`` of every sample, in order. Chunks are submitted a bounded window ahead of
+    the writer (``Pool.imap`` would encode the whole dataset into memory when writing is the slower part, as an
+    upload often is)."""
     n = len(dataset)
     chunks = [(a, min(a + chunksize, n)) for a in range(0, n, chunksize)]
     if num_workers == 0:
         threads = min(8, os.cpu_count() or 1)
         with ThreadPoolExecutor(threads, thread_name_prefix="fastfeed-write") as pool:
-            # Submitted a window ahead, not all at once: encoded samples wait in memory until written.
-            window = 2 * threads
-            futures = [pool.submit(_encode_range, dataset, encode, c) for c in chunks[:window]]
-            for j in range(len(chunks)):
-                if j + window < len(chunks):
-                    futures.append(pool.submit(_encode_range, dataset, encode, chunks[j + window]))
-                yield from futures[j].result()
-                futures[j] = None
+            try:
+                yield from _in_order(chunks, 2 * threads, lambda c: pool.submit(_encode_range, dataset, encode, c),
+                                     lambda fut: fut.result())  # fmt: skip
+            finally:
+                pool.shutdown(wait=True, cancel_futures=True)
         return
     import multiprocessing
 
-    pool = multiprocessing.Pool(min(num_workers, len(chunks)), initializer=_init_worker, initargs=(dataset, encode))
+    workers = min(num_workers, len(chunks))
+    pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=(dataset, encode))
     try:
-        for result in pool.imap(_encode_task, chunks):
-            yield from result
+        yield from _in_order(chunks, 2 * workers, lambda c: pool.apply_async(_encode_task, (c,)),
+                             lambda res: res.get())  # fmt: skip
         pool.close()
     except BaseException:
         pool.terminate()
         raise
     finally:
         pool.join()
+
+
+def _in_order(chunks: list, window: int, submit, result) -> Iterator:
+    pending = collections.deque(submit(c) for c in chunks[:window])
+    for j in range(len(chunks)):
+        if j + window < len(chunks):
+            pending.append(submit(chunks[j + window]))
+        yield from result(pending.popleft())
 
 
 _WORKER: tuple = ()
@@ -252,8 +263,9 @@ def _sample_bytes(key: str, members: list, i: int) -> bytes:
         exts.add(ext_l)
         name = f"{key}.{ext_l}"
         if split(name) != (key, ext_l):
-            raise ValueError(f"write_shards: sample {i}'s key {key!r} does not read back from the member name {name!r} "
-                             "(a key's last part must be non-empty and hold no '.', and must not be __meta__)")  # fmt: skip
+            raise ValueError(f"write_shards: sample {i}'s key {key!r} does not read back from the member name "
+                             f"{name!r} (a key's last part must be non-empty and hold no '.', and must not be "
+                             "__meta__)")  # fmt: skip
         info = tarfile.TarInfo(name)
         info.size, info.mtime, info.mode = len(data), MTIME, MODE
         info.uid = info.gid = 0
