@@ -468,6 +468,20 @@ def test_index_file_is_versioned_json_with_relative_urls_and_moves_with_its_shar
         ShardIndex.load(tmp_path / "nothing.json")
 
 
+def test_subset_is_the_index_of_those_shards_in_that_order(written):
+    """subset(urls) gives the index of just those shards, in the order given, whose samples read back the same."""
+    _, urls, out = written
+    index = ShardIndex.load(out)
+    part = index.subset([urls[2], urls[0]])
+    assert part.urls == [urls[2], urls[0]]
+    assert list(part.counts) == [index.counts[2], index.counts[0]]
+    keys = index.shard_keys(2) + index.shard_keys(0)
+    assert [k for k, _ in _read_all(part)] == keys
+    assert dict(_read_all(part)) == {k: s for k, s in _read_all(index) if k in set(keys)}
+    with pytest.raises(ValueError, match="not in this index"):
+        index.subset([urls[0], "elsewhere.tar"])
+
+
 def test_fingerprint_names_the_content_not_the_place(written, tmp_path):
     """The fingerprint is the same for a copy elsewhere and differs when a shard's bytes differ."""
     _, urls, out = written

@@ -139,6 +139,17 @@ class ShardIndex:
         a = int(self.starts[k]) + k
         return self.offsets[a : a + int(self.counts[k]) + 1]
 
+    def subset(self, urls: Sequence[str]) -> ShardIndex:
+        """The index of these shards of this one, in this order (for a source naming part of an indexed set)."""
+        where = {u: k for k, u in enumerate(self.urls)}
+        missing = [u for u in urls if u not in where]
+        if missing:
+            raise ValueError(f"ShardIndex.subset: {len(missing)} shards are not in this index, e.g. {missing[0]}")
+        ks = [where[u] for u in urls]
+        return ShardIndex.from_shards([{"url": self.urls[k], "size": int(self.sizes[k]), "crc32": int(self.crcs[k]),
+                                        "keys": self.shard_keys(k), "offsets": self.shard_offsets(k)}
+                                       for k in ks])  # fmt: skip
+
     @property
     def fingerprint(self) -> str:
         """sha256 (hex) of the shards' file names, sizes, sample counts and crc32s: the same shard set, wherever it
@@ -205,7 +216,7 @@ class ShardIndex:
                 dest += FILENAME
             data = json.dumps(self.to_json(_dirname(dest)), separators=(",", ":")).encode()
             fs, path = sources.filesystem(dest, storage_options)
-            if fs.isdir(path):
+            if _may_be_dir(fs, dest) and fs.isdir(path):
                 dest, path = dest.rstrip("/") + "/" + FILENAME, path.rstrip("/") + "/" + FILENAME
             with fs.open(path, "wb") as f:
                 f.write(data)
@@ -230,7 +241,7 @@ class ShardIndex:
         src = os.fspath(src)
         if _is_url(src):
             fs, path = sources.filesystem(src, storage_options)
-            if src.endswith("/") or fs.isdir(path):
+            if src.endswith("/") or (_may_be_dir(fs, src) and fs.isdir(path)):
                 src, path = src.rstrip("/") + "/" + FILENAME, path.rstrip("/") + "/" + FILENAME
             try:
                 with fs.open(path, "rb") as f:
@@ -337,6 +348,17 @@ def _bar(progress: bool, total: int, desc: str, unit: str):
     except ImportError:
         return None
     return tqdm(total=total, desc=desc, unit=unit)
+
+
+def _may_be_dir(fs, url: str) -> bool:
+    """Whether asking if ``url`` is a directory is worth a request: not for a ``.json`` name, and never over HTTP,
+    where it would download the file to look for links in it."""
+    return not url.endswith(".json") and not {"http", "https"} & set(_protocols(fs))
+
+
+def _protocols(fs) -> tuple:
+    p = fs.protocol
+    return (p,) if isinstance(p, str) else tuple(p)
 
 
 def _is_url(s: str) -> bool:

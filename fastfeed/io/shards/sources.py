@@ -94,7 +94,8 @@ def _resolve_url(source: str, storage_options: dict | None) -> list[str]:
         return [_as_url(fs, static, p) for p in found]
     # HTTP has no directories: asking whether a shard URL is one would download it, so a name that ends like a
     # shard is a shard, and only a URL ending in "/" is listed.
-    if path.rstrip("/").endswith(SUFFIX) or (fs.protocol in ("http", "https") and not source.endswith("/")):
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    if path.rstrip("/").endswith(SUFFIX) or ({"http", "https"} & set(protocols) and not source.endswith("/")):
         return [source]
     if fs.isdir(path):
         found = sorted(p for p in fs.ls(path, detail=False) if p.endswith(SUFFIX) and fs.isfile(p))

@@ -54,7 +54,8 @@ def write_shards(dataset, dest, *, shard_bytes: int = SHARD_BYTES, encode: Calla
     ``__key__`` are skipped); bytes as they are, str as UTF-8, int/float/bool as their ``str``, dict/list as JSON,
     a numpy array or torch tensor as ``.npy`` bytes, a PIL image in the format its ext names (``jpg``, ``png``...),
     else its own format, else PNG. An ImageFolder-like dataset (a ``samples`` list of ``(path, label)``) is written
-    without decoding: ``{ext of the file: the file's bytes, "cls": label}``. Exts are lowercased, as readers
+    without decoding: ``{ext of the file: the file's bytes, "cls": label}`` (its ``transform`` and
+    ``target_transform`` are not applied: the shards hold the files as they are). Exts are lowercased, as readers
     lowercase them.
 
     Returns:
@@ -201,10 +202,13 @@ def _folder_item(dataset, i: int) -> list | None:
     if samples is None:
         return None
     try:
-        path, label = samples[i]
-    except (TypeError, ValueError, IndexError, KeyError):
+        item = samples[i]
+    except (TypeError, IndexError, KeyError):
         return None
-    if not isinstance(path, (str, os.PathLike)):
+    if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], (str, os.PathLike))):
+        return None
+    path, label = item
+    if isinstance(label, bool) or not hasattr(label, "__index__"):  # int or numpy int: a class id
         return None
     path = os.fspath(path)
     ext = path.rsplit(".", 1)[1] if "." in os.path.basename(path) else "bin"
