@@ -332,6 +332,22 @@ def test_tarfile_written_long_names_parse(tmp_path, fmt):
                    "ünï-2": {"json": b"{}"}}  # fmt: skip
 
 
+def test_read_sample_raises_when_cut_after_a_long_name_header(tmp_path):
+    """A range that ends after a member's GNU long-name header, before the member itself, raises: the sample's
+    first members alone are never returned as the whole sample."""
+    key = "k" * 150
+    _tar_of(tmp_path / "l.tar", [(f"{key}.jpg", b"a" * 10), (f"{key}.cls", b"1")])
+    index = index_shards([tmp_path / "l.tar"])
+    raw = open(tmp_path / "l.tar", "rb").read()
+    assert tar.read_sample(raw[: index.offsets[1]], "l.tar", key) == {"jpg": b"a" * 10, "cls": b"1"}
+    with tarfile.open(tmp_path / "l.tar") as t:
+        cls = t.getmembers()[1]
+    cut = cls.offset_data - 512  # the .cls member's own header: its long-name header and name block come before
+    assert cut > cls.offset
+    with pytest.raises(ShardError, match="long-name header"):
+        tar.read_sample(raw[:cut], "l.tar", key)
+
+
 def test_scanner_streams_in_chunks_with_the_files_crc(written, tmp_path):
     """The scanner reads a shard once in bounded chunks (tiny ones cross every boundary), and finds the same sample
     offsets, end, size and crc32 whatever the chunk size."""

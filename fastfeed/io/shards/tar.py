@@ -188,6 +188,8 @@ def read_sample(buf, shard: str, key: str) -> dict[str, bytes]:
             if ext in out:
                 raise ValueError(f"member {name!r} repeats ext {ext!r} in the sample")
             out[ext] = bytes(view[data_at : data_at + size])
+        if long_name is not None or pax_name is not None or pax_size is not None:
+            raise ValueError(f"cut short after the long-name header of a member, at byte {end}")
     except ValueError as e:
         raise ShardError(shard, str(e), key) from None
     if not out:
