@@ -389,6 +389,9 @@ class _Reader:
             raise e.with_key(key) from None
         except OSError as e:
             raise ShardError(url, f"read failed: {e.strerror}", key) from e
+        if len(data) != end - start:  # the file is shorter than when it was indexed
+            raise ShardError(url, f"{len(data)} of the sample's {end - start} bytes at offset {start}: the shard "
+                             "is shorter than its index says", key)
         sample = read_sample(data, url, key)  # whole, or ShardError: never part of a sample
         sample["__key__"] = key
         sample["__url__"] = url
