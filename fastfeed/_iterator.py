@@ -191,8 +191,12 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
             self._sampler_iter = self._indices
         self._sampler_iter = _state.Drawn(self._sampler_iter)
         if not first_iter:
+            # A persistent worker's dataset is a copy from the first epoch: one that asks to (fastfeed.io.Shards,
+            # whose set_epoch is called here) gets the main process's epoch and position with the new epoch.
+            sync = getattr(loader.dataset, "_ff_worker_sync", None)
+            sync = sync() if callable(sync) else None
             for wid in range(self._num_workers):
-                self._pool.send(wid, m.Resume(self._shared_seed))
+                self._pool.send(wid, m.Resume(self._shared_seed, sync))
             for wid in range(self._num_workers):
                 self._drain_until_ack(wid)
             self._forget_tasks()  # only now: workers may have been writing into those slots

@@ -147,6 +147,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
 
     def _get_iterator(self):
         resume, self._ff_resume = self._ff_resume, None
+        if resume is not None and resume.get("shards") is not None:
+            resume = None  # the dataset took its position (load_state_dict): this epoch starts there, unreplayed
         if self._ff_tuner is not None:
             if resume is not None and _restores(resume):
                 raise RuntimeError(
@@ -208,6 +210,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             self._ff_tuner = tuner = None  # settled, and every rank agrees
         # The last epoch's iterator goes first (unless the caller holds it): its workers and ring are free then.
         self._ff_kept = None
+        _set_up_dataset(self)
         # While tuning, each epoch is a TuningIter: torch's persistent-workers path would keep it.
         it = self._get_iterator() if tuner is not None else super().__iter__()
         self._ff_epochs += 1
@@ -321,11 +324,21 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         it, held_back = self._latest()
         held_back += behind
         state = {"version": STATE_VERSION, "epochs": self._ff_epochs, "rng": rng}
+        if _positions_in_order(self.dataset):
+            return _state.encode(dict(state, **self._dataset_position(it, held_back)))
         if it is not None and (not it._finished or held_back or (self.persistent_workers and self.num_workers > 0)):
             state.update(it.state_dict(held_back))
         else:
             state.update(self._between_epochs())
         return _state.encode(state)
+
+    def _dataset_position(self, it, held_back: int) -> dict:
+        """The state of a dataset whose position is the rank's batches received (``fastfeed.io.Shards``): no
+        worker's state enters it, so it continues with any ``num_workers`` (and, for Shards, any world size)."""
+        mid_epoch = it is not None and (not it._finished or held_back > 0)
+        yielded = it._num_yielded - held_back if mid_epoch else None
+        return dict(self._between_epochs(), mid_epoch=mid_epoch, yielded=yielded or 0, dataset=None,
+                    shards=self.dataset._ff_position(yielded))  # fmt: skip
 
     def _between_epochs(self) -> dict:
         """The position between epochs: the sampler's state, and the dataset's where this process iterates it."""
@@ -351,7 +364,14 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         if state_dict.get("version") not in STATE_VERSIONS:
             raise ValueError(f"unknown DataLoader state version {state_dict.get('version')!r}: this fastfeed reads "
                              f"versions {STATE_VERSIONS}")  # fmt: skip
-        state = self._fit_workers(_state.decode(state_dict))
+        state = _state.decode(state_dict)
+        if state.get("shards") is not None:
+            if not _positions_in_order(self.dataset):
+                raise ValueError("DataLoader.load_state_dict(): this state holds a fastfeed.io.Shards position and "
+                                 f"this loader's dataset is a {type(self.dataset).__name__}")  # fmt: skip
+            self.dataset.load_state_dict(state["shards"])  # the dataset checks its order and global batch
+        else:
+            state = self._fit_workers(state)
         if self._iterator is not None:  # persistent workers: start afresh from the state
             self._iterator._shutdown_workers()
             self._iterator = None
@@ -383,10 +403,23 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         return dict(state, num_workers=ours, workers=None, next_worker=0)
 
 
+def _positions_in_order(dataset) -> bool:
+    """A dataset that keeps its own position as the batches this rank received (``fastfeed.io.Shards``)."""
+    return callable(getattr(dataset, "_ff_position", None))
+
+
+def _set_up_dataset(loader) -> None:
+    """Tell a dataset that asks (``fastfeed.io.Shards``) the loader's batch size, ``drop_last`` and workers, before
+    its workers get it: torch's loader gives an IterableDataset no way to know them."""
+    setup = getattr(loader.dataset, "_ff_loader_setup", None)
+    if callable(setup):
+        setup(batch_size=loader.batch_size, drop_last=loader.drop_last, num_workers=loader.num_workers)
+
+
 def _restores(state: dict) -> bool:
     """Whether a loaded state has a position to restore (else the next iter() is a plain new epoch)."""
     return bool(state["mid_epoch"] or state["workers"] is not None or state.get("sampler_state") is not None
-                or state.get("dataset") is not None)  # fmt: skip
+                or state.get("dataset") is not None or state.get("shards") is not None)  # fmt: skip
 
 
 def _reader(reader, dataset, device) -> str | None:

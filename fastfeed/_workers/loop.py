@@ -333,6 +333,8 @@ def serve(worker_id, spec: WorkerSpec, dataset, writer: SlotWriter, get, put, re
         if msg_kind is m.Resume:
             iteration_end = retry_empty = False
             dataset = _seed_datapipe(dataset, task.shared_seed)
+            if task.dataset_sync is not None:
+                dataset._ff_worker_apply(task.dataset_sync)
             fetcher = new_fetcher()
             snapshots.clear()
             n_batches, epoch_start = 0, snapshot()

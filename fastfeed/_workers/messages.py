@@ -27,6 +27,7 @@ class Resume(NamedTuple):
     """A persistent worker starts a new epoch (torch's ``_ResumeIteration``)."""
 
     shared_seed: int | None
+    dataset_sync: dict | None = None  # what the dataset's copy here takes from the main process's (Shards' epoch)
 
 
 class Stop(NamedTuple):

@@ -9,5 +9,6 @@ loader calls it one batch ahead). It must return at once; the reads it starts ru
 
 from .arrays import ArrayFiles
 from .files import Files
+from .shards import ShardError, ShardIndex, Shards, index_shards, write_shards
 
-__all__ = ["ArrayFiles", "Files"]
+__all__ = ["ArrayFiles", "Files", "ShardError", "ShardIndex", "Shards", "index_shards", "write_shards"]

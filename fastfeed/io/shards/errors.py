@@ -2,15 +2,37 @@
 
 from __future__ import annotations
 
+import re
+
+# How the message reads, so that one re-raised from a worker's text (torch's loader re-raises by message) keeps
+# its fields.
+_MESSAGE = re.compile(r"shard (?P<shard>\S+?)(?:, sample (?P<key>'.*?'))?: (?P<detail>.*)$", re.M)
+
 
 class ShardError(OSError):
     """A shard could not be read whole: it is missing, a request failed every retry, or its bytes are short or
-    damaged. Names the shard and, where a sample was being read, its key; no part of that sample was yielded."""
+    damaged. Names the shard and, where a sample was being read, its key; no part of that sample was yielded.
 
-    def __init__(self, shard: str, detail: str, key: str | None = None) -> None:
+    ``ShardError(message)`` (one argument: how torch's loader re-raises a worker's error) takes the fields from
+    the message's last ``shard ...: ...`` line.
+    """
+
+    def __init__(self, shard: str, detail: str | None = None, key: str | None = None) -> None:
+        if detail is None:
+            message = shard
+            found = list(_MESSAGE.finditer(message))
+            last = found[-1] if found else None
+            self.shard = last["shard"] if last else None
+            self.key = last["key"][1:-1] if last and last["key"] else None
+            self.detail = last["detail"] if last else message
+            super().__init__(message)
+            return
         self.shard, self.detail, self.key = shard, detail, key
         where = f"shard {shard}" + (f", sample {key!r}" if key is not None else "")
         super().__init__(f"{where}: {detail}")
+
+    def __str__(self) -> str:
+        return self.args[0]
 
     def __reduce__(self):  # raised in a worker, re-raised in the main process with its fields
         return type(self), (self.shard, self.detail, self.key)

@@ -1,0 +1,471 @@
+"""``Shards``: an IterableDataset over WebDataset-format tar shards, local or in object storage.
+
+Where each sample comes from is decided before anything is read: the epoch's order is a pure function of the
+index, the seed and the epoch (``order``), dealt out in global batches of ``batch_size x world``. So every rank
+has the same number of batches whatever the shard sizes, the split does not depend on ``num_workers`` (worker w of
+n makes the rank's batches w, w+n, ..., which the loader's round robin yields in order), resuming is an index into
+the order (no sample before the resume point is read), and the cache knows when each shard is needed next.
+
+Remote shards are read whole into a cache on local disk (``cache.ShardCache``): one large sequential read per
+shard, once per machine, with the next window's shards downloaded while this one is read. Local shards are read in
+place. A sample is read from its shard by the byte range the index gives and parsed whole before it is yielded.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import warnings
+from collections import OrderedDict
+
+from torch.utils.data import IterableDataset
+
+from .. import remote
+from . import order, topology
+from .errors import ShardError
+
+STATE_FORMAT = "fastfeed-shards"
+STATE_VERSION = 1
+DEFAULT_WINDOW = 8  # shards whose samples are shuffled together; also what must be local at once
+INDEX_NAME = "fastfeed-index.json"
+
+
+class Shards(IterableDataset):
+    """WebDataset tar shards as a dataset: shard-aware shuffles, equal batches on every rank, exact and elastic
+    resume, and a bounded cache that evicts the shard needed farthest ahead.
+
+    Args:
+        source: shard paths or URLs (a list), a directory, a brace pattern (``shard-{000000..000099}.tar``), or any
+            fsspec URL (``s3://bucket/prefix/``, ``https://host/shard-{0..9}.tar``).
+        decode: called on each sample (a dict of ``{ext: bytes}`` plus ``"__key__"`` and ``"__url__"``) in the
+            worker; its result is what the loader collates. None: the dict itself.
+        shuffle: a new shard-aware order each epoch (``set_epoch``); False: the source's order.
+        seed: the order's seed; the same on every rank.
+        batch_size: samples per batch on each rank. ``fastfeed.DataLoader`` sets it from its own; with torch's
+            ``DataLoader`` pass the loader's (a mismatch raises on the first batch).
+        cache_dir: where remote shards are kept (default: a directory of this user's under the temp directory).
+        cache_bytes: the cache's bound, all processes of this machine together (None: unbounded).
+        predownload: shards downloaded ahead of need (default: one window, ``shuffle_window``).
+        shuffle_window: shards whose samples are shuffled together (default 8); they must fit the cache at once.
+        drop_last: drop the epoch's last samples that do not fill a global batch on every rank; False repeats the
+            epoch's first samples to fill it, as DistributedSampler does (``DataLoader(drop_last=True)`` sets it).
+        index: a ``ShardIndex`` or the path/URL of a saved one; None: ``fastfeed-index.json`` beside the shards,
+            else built by reading every shard once (``fastfeed.io.index_shards`` saves one to skip that).
+        storage_options: passed to fsspec (s3fs's ``key``, ``secret``, ``client_kwargs={"endpoint_url": ...}``).
+        rank, world_size: this process's place; None: torch.distributed's, else torchrun's RANK and WORLD_SIZE.
+        retries: attempts for a failed or short download before ``ShardError``.
+    """
+
+    def __init__(self, source, *, decode=None, shuffle: bool = False, seed: int = 0, batch_size: int | None = None,
+                 cache_dir=None, cache_bytes: int | None = None, predownload: int | None = None,
+                 shuffle_window: int = DEFAULT_WINDOW, drop_last: bool = False, index=None,
+                 storage_options: dict | None = None, rank: int | None = None, world_size: int | None = None,
+                 retries: int = 3, timeout: float = 60.0) -> None:  # fmt: skip
+        from .index import ShardIndex
+        from .sources import resolve
+
+        for name, value in (("batch_size", batch_size), ("predownload", predownload)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"fastfeed.io.Shards: {name} must be a non-negative int, got {value!r}")
+        if batch_size == 0:
+            raise ValueError("fastfeed.io.Shards: batch_size must be at least 1")
+        if not isinstance(shuffle_window, int) or shuffle_window < 1:
+            raise ValueError(f"fastfeed.io.Shards: shuffle_window must be an int >= 1 (shards), got {shuffle_window!r}")
+        self.decode = decode
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.batch_size = batch_size
+        self.drop_last = bool(drop_last)
+        self.shuffle_window = shuffle_window
+        self.predownload = shuffle_window if predownload is None else predownload
+        self.storage_options = dict(storage_options or {})
+        self.epoch = 0
+        self._rank, self._world = rank, world_size
+        self._frozen = None  # (rank, world) as the main process saw them, for workers without the process group
+        topology.ranks(rank, world_size, None)  # bad values fail here, not in a worker
+        if isinstance(index, ShardIndex):
+            self.index = index
+        else:
+            urls = resolve(source, storage_options=self.storage_options)
+            self.index = _load_index(urls, index, self.storage_options)
+        self.urls = list(self.index.urls)
+        self._remote = any(remote.is_url(u) for u in self.urls)
+        self.cache = None
+        if self._remote:
+            from .cache import ShardCache
+
+            need = (self.shuffle_window + self.predownload) * int(max(self.index.sizes, default=0))
+            if cache_bytes is not None and cache_bytes < need:
+                raise ValueError(
+                    f"fastfeed.io.Shards: cache_bytes={cache_bytes} cannot hold the shards read at once: "
+                    f"shuffle_window + predownload = {self.shuffle_window + self.predownload} shards of up to "
+                    f"{int(max(self.index.sizes))} bytes need {need}. Raise cache_bytes, or lower shuffle_window "
+                    f"or predownload."
+                )
+            directory = cache_dir if cache_dir is not None else _default_cache_dir()
+            self.cache = ShardCache(directory, self.index.fingerprint, cache_bytes,
+                                    storage_options=self.storage_options, retries=retries, timeout=timeout)
+        # Loader set-up and resume (see _ff_loader_setup, load_state_dict).
+        self._loader_batch = None  # the batch size fastfeed.DataLoader told
+        self._loader_drop_last = False
+        self._pending = None  # a loaded position, for the next iteration of its epoch
+        # The position this epoch's iteration starts from: (batch, within, worker or None, global batch, world).
+        self._start = None
+        self._progress = {}  # worker id -> (batch under way, samples of it yielded), in this process
+        self._epochs = OrderedDict()  # epoch -> order.Epoch, the last two computed in this process
+
+    # -- what a user calls ---------------------------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use ``epoch``'s order from the next iteration on (call it on every rank, before ``iter``)."""
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        """Samples on this rank this epoch: ``batches x batch_size``, the same on every rank."""
+        split = self._split(self._batch_size(required=True))
+        return split.batches * split.batch_size
+
+    def cache_stats(self) -> dict:
+        """The cache's counters, all processes of this machine together (``downloaded_bytes``, ``downloads``,
+        ``hits``, ``evictions``); empty for local shards."""
+        return {} if self.cache is None else self.cache.stats()
+
+    def state_dict(self) -> dict:
+        """This process's position in the epoch: the batch under way and the samples of it already yielded.
+
+        ``fastfeed.DataLoader.state_dict()`` keeps the rank's position instead (the batches the user received),
+        which continues on another number of ranks. Inside a worker of torch's loader (torchdata's
+        ``StatefulDataLoader`` asks there) it is that worker's, and continues with the same ``num_workers``.
+        """
+        w, nw = topology.worker()
+        batch, within = self._progress.get(w) or (self._start[:2] if self._start is not None else (w, 0))
+        if within == self._batch_size():
+            batch, within = batch + nw, 0
+        return self._state(batch, within, [w, nw] if nw > 1 else None)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state`` (``state_dict()``'s, or the ``"shards"`` part of a loader's) at the next
+        iteration of its epoch. The order's seed, shuffle and window must match, and so must the global batch
+        ``batch_size x world`` (checked when the iteration starts: then the batch size is known)."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"fastfeed.io.Shards.load_state_dict: not a Shards state ({type(state).__name__})")
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"fastfeed.io.Shards.load_state_dict: unknown state version {state.get('version')!r}; "
+                             f"this fastfeed reads version {STATE_VERSION}")  # fmt: skip
+        mine = self._identity()
+        for name, value in mine.items():
+            if state.get(name) != value:
+                raise ValueError(
+                    f"fastfeed.io.Shards.load_state_dict: the state was saved with {name}={state.get(name)!r} and this "
+                    f"dataset has {name}={value!r}; the order depends on it, so the position would not be the same. "
+                    f"Build Shards with the saved {name}."
+                )
+        self.epoch = int(state["epoch"])
+        self._pending = dict(state)
+
+    # -- the loader's side (fastfeed.DataLoader calls these; torch's does not need them) --------------------
+
+    def _ff_loader_setup(self, *, batch_size: int | None, drop_last: bool, num_workers: int) -> None:
+        """Called by fastfeed.DataLoader at each ``iter()``, in the main process, before workers get the dataset."""
+        if batch_size is not None and self.batch_size is not None and batch_size != self.batch_size:
+            raise ValueError(_mismatch(self.batch_size, batch_size))
+        self._loader_batch = batch_size
+        self._loader_drop_last = bool(drop_last)
+        self._frozen = topology.ranks(self._rank, self._world, self._frozen)
+        self._begin()
+
+    def _ff_position(self, yielded: int | None) -> dict:
+        """The rank's position after the user received ``yielded`` batches of this epoch (None: between epochs)."""
+        if yielded is None:
+            return self._state(0, 0, None)
+        batch, within = self._start[:2] if self._start is not None else (0, 0)
+        return self._state(batch + yielded, 0 if yielded else within, None)
+
+    def _ff_worker_sync(self) -> dict:
+        """What a persistent worker's copy must take from this one at a new epoch."""
+        return {"epoch": self.epoch, "_start": self._start, "_loader_batch": self._loader_batch,
+                "_loader_drop_last": self._loader_drop_last, "_frozen": self._frozen}  # fmt: skip
+
+    def _ff_worker_apply(self, sync: dict) -> None:
+        for name, value in sync.items():
+            setattr(self, name, value)
+        self._pending = None
+
+    # -- iteration -----------------------------------------------------------------------------------------
+
+    def _begin(self) -> None:
+        """Take a loaded position for this epoch's iteration. The position is read when an iteration starts and
+        cleared when one ends, so the next epoch starts afresh (a persistent worker's copy too)."""
+        pending, self._pending = self._pending, None
+        self._start = None
+        if pending is not None and pending["epoch"] == self.epoch:
+            self._check_global_batch(pending)
+            if pending["batch"] or pending["within"]:
+                self._start = (pending["batch"], pending["within"], pending.get("worker"), pending["global_batch"],
+                               pending["world"])
+
+    def __iter__(self):
+        if self._pending is not None:  # loaded, and not set up by fastfeed.DataLoader: the position starts here
+            self._begin()
+        return self._samples(self._start)
+
+    def _samples(self, start):
+        w, nw = topology.worker()
+        caller = _loader_batch_size(sys._getframe(1))
+        batch_size = self._batch_size(caller)
+        split = self._split(batch_size)
+        if start is not None and self._loader_batch is None and self.batch_size is None:
+            self._check_global_batch({"global_batch": start[3], "world": start[4]}, batch_size)
+        epoch = self._order(self.epoch)
+        n = self.index.n_samples
+        first = _first_batch(start, w, nw)
+        within = start[1] if start is not None and first == start[0] else 0
+        reader = _Reader(self, epoch, split)
+        progress = self._progress
+        try:
+            for batch in range(first, split.batches, nw):
+                positions = split.positions(batch)
+                reader.at(positions[0])
+                for t in range(within, split.batch_size):
+                    p = positions[t]
+                    sample = reader.sample(int(epoch.samples[p % n]))
+                    progress[w] = (batch, t + 1)
+                    yield sample
+                within = 0
+        finally:
+            reader.close()
+        if self._start is start:  # the epoch is done: its next iteration starts it afresh
+            self._start = None
+
+    # -- helpers -------------------------------------------------------------------------------------------
+
+    def _batch_size(self, caller: int | None = None, required: bool = False) -> int:
+        if self.batch_size is not None:
+            if caller is not None and caller != self.batch_size:
+                raise ValueError(_mismatch(self.batch_size, caller))
+            return self.batch_size
+        if self._loader_batch is not None:
+            return self._loader_batch
+        if caller is not None:
+            return caller
+        if required:
+            raise TypeError("len(fastfeed.io.Shards) needs its batch size: pass batch_size= to Shards (the "
+                            "DataLoader's), or use fastfeed.DataLoader, which tells it")  # fmt: skip
+        return 1
+
+    def _split(self, batch_size: int) -> order.Split:
+        rank, world = topology.ranks(self._rank, self._world, self._frozen)
+        drop_last = self.drop_last or self._loader_drop_last
+        return order.Split.of(self.index.n_samples, batch_size, rank, world, drop_last)
+
+    def _order(self, epoch: int) -> order.Epoch:
+        found = self._epochs.get(epoch)
+        if found is None:
+            found = self._epochs[epoch] = order.epoch_order(
+                self.index.counts, self.index.starts, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+                window=self.shuffle_window,
+            )  # fmt: skip
+            while len(self._epochs) > 2:
+                self._epochs.popitem(last=False)
+        return found
+
+    def _identity(self) -> dict:
+        return {"fingerprint": self.index.fingerprint, "seed": self.seed, "shuffle": self.shuffle,
+                "shuffle_window": self.shuffle_window}  # fmt: skip
+
+    def _state(self, batch: int, within: int, worker) -> dict:
+        rank, world = topology.ranks(self._rank, self._world, self._frozen)
+        batch_size = self._batch_size()
+        return {"format": STATE_FORMAT, "version": STATE_VERSION, **self._identity(), "epoch": self.epoch,
+                "batch": int(batch), "within": int(within), "worker": worker,
+                "global_batch": batch_size * world, "world": world}  # fmt: skip
+
+    def _check_global_batch(self, state: dict, batch_size: int | None = None) -> None:
+        if batch_size is None:
+            if self._loader_batch is None and self.batch_size is None:
+                return  # checked when the first batch's size is known
+            batch_size = self._batch_size()
+        rank, world = topology.ranks(self._rank, self._world, self._frozen)
+        ours = batch_size * world
+        saved = state["global_batch"]
+        if ours != saved:
+            sizes = ", ".join(f"{w} (batch_size={saved // w})" for w in range(1, saved + 1) if saved % w == 0)
+            raise ValueError(
+                f"fastfeed.io.Shards: the state was saved with a global batch of {saved} samples (batch_size x "
+                f"world size, on {state['world']} ranks) and this run has {batch_size} x {world} = {ours}; "
+                f"the same global batches need the same global batch size. World sizes that keep it: {sizes}."
+            )
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_epochs"] = OrderedDict()  # recomputed where needed: cheaper than shipping
+        state["_progress"] = {}
+        return state
+
+
+class _Reader:
+    """Reads samples of one iteration: keeps each shard's file open while its window is read."""
+
+    def __init__(self, ds: Shards, epoch: order.Epoch, split: order.Split) -> None:
+        self.ds, self.epoch, self.split = ds, epoch, split
+        self.index = ds.index
+        self.files: OrderedDict[int, int] = OrderedDict()  # shard -> fd
+        self.keep = 2 * ds.shuffle_window + 2
+        self.position = 0
+        self.window = -1
+        self.next_epoch = None
+        # Positions the predownload reaches ahead: its shards are about to be read, so they are not evicted either.
+        self.ahead = ds.predownload * self.index.n_samples // max(self.index.n_shards, 1)
+
+    def at(self, position: int) -> None:
+        """The iteration reaches ``position``: start downloading what the window after this one needs."""
+        self.position = position
+        cache = self.ds.cache
+        if cache is None:
+            return
+        n = self.index.n_samples
+        window = self.epoch.window_of(position % n) if n else 0
+        if window == self.window:
+            return
+        self.window = window
+        cache.predownload(self._upcoming(window), self.next_use)
+
+    def _upcoming(self, window: int) -> list:
+        """This window's shards, then the next ``predownload`` shards in the order (the next epoch's at the end)."""
+        ds, size = self.ds, self.ds.shuffle_window
+        shards = list(self.epoch.shards[window * size:(window + 1) * size])
+        ahead = list(self.epoch.shards[(window + 1) * size:(window + 1) * size + ds.predownload])
+        if len(ahead) < ds.predownload:
+            ahead += list(ds._order(ds.epoch + 1).shards[:ds.predownload - len(ahead)])
+        return [self._item(k) for k in dict.fromkeys(shards + ahead)]
+
+    def _item(self, k: int) -> tuple:
+        return (int(k), self.index.urls[k], int(self.index.sizes[k]), int(self.index.crcs[k]))
+
+    def next_use(self, k: int) -> float:
+        """When shard k is next needed, in positions from this epoch's start: -1 while it is read (or about to be,
+        or just was by a worker a few batches behind); the next epoch's use (assumed ``epoch + 1``) once done."""
+        first, end = self.epoch.span(k)
+        # Workers a few batches apart share the machine's cache: one just past a window may still be behind.
+        margin = 8 * self.split.global_batch
+        p = self.position % max(self.index.n_samples, 1)
+        if first - self.ahead <= p < end + margin:
+            return -1.0
+        if first > p:
+            return float(first)
+        if self.next_epoch is None:
+            self.next_epoch = self.ds._order(self.ds.epoch + 1)
+        return float(self.split.positions_per_epoch + self.next_epoch.span(k)[0])
+
+    def _fd(self, k: int) -> int:
+        fd = self.files.get(k)
+        if fd is not None:
+            self.files.move_to_end(k)
+            return fd
+        url = self.index.urls[k]
+        if self.ds.cache is not None:
+            path = self.ds.cache.local(*self._item(k), self.next_use)
+        else:
+            path = url[len("file://"):] if url.startswith("file://") else url
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise ShardError(url, f"cannot open {path}: {e.strerror}") from e
+        self.files[k] = fd
+        while len(self.files) > self.keep:
+            os.close(self.files.popitem(last=False)[1])
+        return fd
+
+    def sample(self, sample_id: int):
+        from .tar import read_sample
+
+        k, start, end = self.index.locate(sample_id)
+        url = self.index.urls[k]
+        key = self.index.key(sample_id)
+        try:
+            data = os.pread(self._fd(k), end - start, start)
+        except ShardError as e:
+            raise e.with_key(key) from None
+        except OSError as e:
+            raise ShardError(url, f"read failed: {e.strerror}", key) from e
+        if len(data) != end - start:  # the file is shorter than when it was indexed
+            raise ShardError(url, f"{len(data)} of the sample's {end - start} bytes at offset {start}: the shard "
+                             "is shorter than its index says", key)
+        sample = read_sample(data, url, key)  # whole, or ShardError: never part of a sample
+        sample["__key__"] = key
+        sample["__url__"] = url
+        decode = self.ds.decode
+        return sample if decode is None else decode(sample)
+
+    def close(self) -> None:
+        files, self.files = self.files, OrderedDict()
+        for fd in files.values():
+            os.close(fd)
+
+
+def _first_batch(start, w: int, nw: int) -> int:
+    """The first batch worker w of nw makes: w, or the resumed position's batch plus w."""
+    if start is None:
+        return w
+    batch, saved = start[0], start[2]
+    if saved is not None:  # a worker's own position (torch's loader, torchdata): only that worker continues it
+        if list(saved) != [w, nw]:
+            raise ValueError(
+                f"fastfeed.io.Shards: this position was saved by worker {saved[0]} of {saved[1]} and is loaded in "
+                f"worker {w} of {nw}; resume with the same num_workers, or through fastfeed.DataLoader, whose state "
+                f"continues with any"
+            )
+        return batch
+    return batch + w
+
+
+def _load_index(urls: list[str], index, storage_options: dict):
+    from .index import ShardIndex, index_shards
+
+    if index is not None:
+        return ShardIndex.load(os.fspath(index) if not isinstance(index, str) else index,
+                               storage_options=storage_options)  # fmt: skip
+    beside = _beside(urls)
+    if beside is not None:
+        try:
+            found = ShardIndex.load(beside, storage_options=storage_options)
+        except FileNotFoundError:
+            found = None
+        if found is not None and set(found.urls) >= set(urls):
+            return found.subset(urls) if list(found.urls) != list(urls) else found
+    warnings.warn(f"fastfeed.io.Shards: no {INDEX_NAME} beside the shards: reading all {len(urls)} to index them. "
+                  "fastfeed.io.index_shards(source, dest=True) saves one there.", stacklevel=3)  # fmt: skip
+    return index_shards(urls, storage_options=storage_options)
+
+
+def _beside(urls: list[str]) -> str | None:
+    """Where the index of these shards would be: beside them, if they share a directory."""
+    parents = {u.rsplit("/", 1)[0] for u in urls}
+    return f"{parents.pop()}/{INDEX_NAME}" if len(parents) == 1 else None
+
+
+def _default_cache_dir() -> str:
+    return os.path.join(tempfile.gettempdir(), f"fastfeed-shards-{os.getuid()}")
+
+
+def _loader_batch_size(frame) -> int | None:
+    """The batch size of torch's fetcher asking for this first sample, if that is who asks (None: unknown).
+
+    torch's ``_IterableDatasetFetcher.fetch`` calls ``next()`` once per sample of a batch, with the batch's
+    indices in a local; it is the only place a dataset can learn the loader's batch size, which must be the one
+    the rank split was made for.
+    """
+    if frame is None or frame.f_code.co_name != "fetch":
+        return None
+    fetcher = frame.f_locals.get("self")
+    indices = frame.f_locals.get("possibly_batched_index")
+    if not getattr(fetcher, "auto_collation", False) or not hasattr(indices, "__len__"):
+        return None
+    return len(indices)
+
+
+def _mismatch(ours: int, loader: int) -> str:
+    return (f"fastfeed.io.Shards(batch_size={ours}) is iterated by a DataLoader with batch_size={loader}: the split "
+            f"across ranks is made in batches of {ours}, so the loader's batches would mix them. Pass the same "
+            f"batch_size to both, or leave Shards' unset under fastfeed.DataLoader (it tells the dataset).")

@@ -1,0 +1,392 @@
+"""The index of a shard set: each shard's size and crc32, and each sample's key and byte range.
+
+Random access to tar shards needs one: a tar has no table of contents. ``index_shards(source)`` builds it by
+reading each shard once (streaming, in parallel threads); ``write_shards`` writes it beside the shards it writes.
+
+File format (``fastfeed-index.json`` beside the shards by default), JSON::
+
+    {
+      "format": "fastfeed-shard-index",
+      "version": 1,
+      "shards": [
+        {
+          "url": "shard-000000.tar",      # relative to the index file's directory when the shard is in it (or
+                                          # below it), so a shard set moves with its index; else absolute/URL
+          "size": 1048576000,             # bytes of the whole shard file
+          "crc32": 3735928559,            # zlib.crc32 of the whole shard file, unsigned
+          "first": 0,                     # byte offset of the first sample's first header
+          "lengths": [102912, 103424],    # bytes of each sample's range, in tar order: sample i spans
+                                          # [first + sum(lengths[:i]), first + sum(lengths[:i+1]))
+          "keys": ["000000000", "000000001"]   # each sample's key, in the same order
+        }
+      ]
+    }
+
+A sample's range starts at its first member's first header (GNU long-name and pax headers included) and runs to
+the next sample's; the last one ends where the tar's end-of-archive blocks begin. Lengths rather than offsets keep
+the file small (a 100 KB sample's length is 6 digits, its offset in a 1 GB shard 10). Readers must reject a file
+whose "format" differs or whose "version" is greater than theirs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import posixpath
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+import numpy as np
+
+from . import sources
+from .errors import ShardError
+from .tar import CHUNK, Scan
+
+FILENAME = "fastfeed-index.json"
+FORMAT = "fastfeed-shard-index"
+VERSION = 1
+
+
+class ShardIndex:
+    """The shards of a dataset and the byte range of every sample in them. Immutable; pickles as a few arrays.
+
+    Attributes:
+        urls: shard locations, in source order.
+        sizes: ``np.int64[n]`` bytes of each shard file.
+        crcs: ``np.uint32[n]`` zlib.crc32 of each whole shard file.
+        counts: ``np.int64[n]`` samples in each shard.
+        starts: ``np.int64[n + 1]`` global id of each shard's first sample; ``starts[-1]`` is the total.
+        offsets: ``np.int64[total + n]``: shard k's sample i spans ``[offsets[starts[k] + k + i],
+            offsets[starts[k] + k + i + 1])``.
+    """
+
+    def __init__(self, urls: Sequence[str], sizes, crcs, counts, offsets, keys) -> None:
+        """Build from per-shard arrays (``offsets`` as in the class docstring, ``keys`` a list of every sample's key
+        in global order). ``ShardIndex.from_shards`` and ``load`` are the usual ways in."""
+        self.urls = list(urls)
+        n = len(self.urls)
+        self.sizes = np.asarray(sizes, dtype=np.int64).reshape(n)
+        self.crcs = np.asarray(crcs, dtype=np.uint32).reshape(n)
+        self.counts = np.asarray(counts, dtype=np.int64).reshape(n)
+        self.starts = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(self.counts, out=self.starts[1:])
+        total = int(self.starts[-1])
+        self.offsets = np.asarray(offsets, dtype=np.int64).reshape(total + n)
+        if len(keys) != total:
+            raise ValueError(f"ShardIndex: {len(keys)} keys for {total} samples")
+        # Millions of str objects pickle slowly to every worker; one bytes blob and its boundaries do not.
+        encoded = [k.encode("utf-8", "surrogateescape") for k in keys]
+        self._key_ends = np.zeros(total + 1, dtype=np.int64)
+        np.cumsum([len(e) for e in encoded], out=self._key_ends[1:])
+        self._key_blob = b"".join(encoded)
+        for name in ("sizes", "crcs", "counts", "starts", "offsets", "_key_ends"):
+            getattr(self, name).flags.writeable = False
+
+    @classmethod
+    def from_shards(cls, shards: Sequence[dict]) -> ShardIndex:
+        """From one dict per shard: ``url``, ``size``, ``crc32``, ``keys`` (list) and ``offsets`` (len(keys) + 1)."""
+        offsets = [np.asarray(s["offsets"], dtype=np.int64) for s in shards]
+        for s, o in zip(shards, offsets):
+            if len(o) != len(s["keys"]) + 1:
+                raise ValueError(f"ShardIndex: shard {s['url']} has {len(s['keys'])} keys and {len(o)} offsets")
+        return cls([s["url"] for s in shards], [s["size"] for s in shards], [s["crc32"] for s in shards],
+                   [len(s["keys"]) for s in shards], np.concatenate(offsets) if offsets else np.zeros(0, np.int64),
+                   [k for s in shards for k in s["keys"]])  # fmt: skip
+
+    # -- queries ----------------------------------------------------------------------------------
+
+    @property
+    def n_samples(self) -> int:
+        return int(self.starts[-1])
+
+    @property
+    def n_shards(self) -> int:
+        return len(self.urls)
+
+    def __len__(self) -> int:
+        return self.n_samples
+
+    def shard_of(self, sample_id: int) -> int:
+        """The shard holding global sample ``sample_id``."""
+        if not 0 <= sample_id < self.n_samples:
+            raise IndexError(f"sample {sample_id} out of range: the index holds {self.n_samples}")
+        return int(np.searchsorted(self.starts, sample_id, side="right")) - 1
+
+    def locate(self, sample_id: int) -> tuple[int, int, int]:
+        """``(shard k, start byte, end byte)`` of global sample ``sample_id``."""
+        k = self.shard_of(sample_id)
+        j = sample_id + k
+        return k, int(self.offsets[j]), int(self.offsets[j + 1])
+
+    def key(self, sample_id: int) -> str:
+        """The key of global sample ``sample_id``."""
+        if not 0 <= sample_id < self.n_samples:
+            raise IndexError(f"sample {sample_id} out of range: the index holds {self.n_samples}")
+        a, b = self._key_ends[sample_id], self._key_ends[sample_id + 1]
+        return self._key_blob[a:b].decode("utf-8", "surrogateescape")
+
+    @property
+    def keys(self) -> list[str]:
+        """Every key, in global order (built on each call: use ``key(i)`` for one)."""
+        return [self.key(i) for i in range(self.n_samples)]
+
+    def shard_keys(self, k: int) -> list[str]:
+        return [self.key(i) for i in range(int(self.starts[k]), int(self.starts[k + 1]))]
+
+    def shard_offsets(self, k: int) -> np.ndarray:
+        """The ``counts[k] + 1`` offsets of shard k's samples."""
+        a = int(self.starts[k]) + k
+        return self.offsets[a : a + int(self.counts[k]) + 1]
+
+    def subset(self, urls: Sequence[str]) -> ShardIndex:
+        """The index of these shards of this one, in this order (for a source naming part of an indexed set)."""
+        where = {u: k for k, u in enumerate(self.urls)}
+        missing = [u for u in urls if u not in where]
+        if missing:
+            raise ValueError(f"ShardIndex.subset: {len(missing)} shards are not in this index, e.g. {missing[0]}")
+        ks = [where[u] for u in urls]
+        return ShardIndex.from_shards([{"url": self.urls[k], "size": int(self.sizes[k]), "crc32": int(self.crcs[k]),
+                                        "keys": self.shard_keys(k), "offsets": self.shard_offsets(k)}
+                                       for k in ks])  # fmt: skip
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 (hex) of the shards' file names, sizes, sample counts and crc32s: the same shard set, wherever it
+        is stored, has the same fingerprint."""
+        names = [posixpath.basename(u.rstrip("/")) for u in self.urls]
+        payload = json.dumps([names, self.sizes.tolist(), self.counts.tolist(), self.crcs.tolist()],
+                             separators=(",", ":"))  # fmt: skip
+        return hashlib.sha256(payload.encode()).hexdigest()
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, ShardIndex):
+            return NotImplemented
+        return (self.urls == other.urls and self._key_blob == other._key_blob
+                and all(np.array_equal(getattr(self, a), getattr(other, a))
+                        for a in ("sizes", "crcs", "counts", "offsets", "_key_ends")))  # fmt: skip
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"ShardIndex({self.n_shards} shards, {self.n_samples} samples, {int(self.sizes.sum())} bytes)"
+
+    # -- the file ---------------------------------------------------------------------------------
+
+    def to_json(self, base: str | None = None) -> dict:
+        """The JSON document (see the module docstring); shard URLs relative to directory ``base`` where they are
+        in it."""
+        shards = []
+        for k, url in enumerate(self.urls):
+            off = self.shard_offsets(k)
+            shards.append({"url": _relative(url, base), "size": int(self.sizes[k]), "crc32": int(self.crcs[k]),
+                           "first": int(off[0]) if len(off) else 0, "lengths": np.diff(off).tolist(),
+                           "keys": self.shard_keys(k)})  # fmt: skip
+        return {"format": FORMAT, "version": VERSION, "shards": shards}
+
+    @classmethod
+    def from_json(cls, doc: dict, base: str | None = None, where: str = "index") -> ShardIndex:
+        """Parse a JSON document; relative shard URLs are resolved against directory ``base``."""
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise ValueError(f"{where}: not a fastfeed shard index (its \"format\" is not {FORMAT!r})")
+        version = doc.get("version")
+        if not isinstance(version, int) or version > VERSION:
+            raise ValueError(f"{where}: shard index version {version!r}; this fastfeed reads up to {VERSION}: "
+                             "upgrade fastfeed or rebuild the index with index_shards")  # fmt: skip
+        shards = []
+        try:
+            for s in doc["shards"]:
+                lengths = np.asarray(s["lengths"], dtype=np.int64)
+                offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+                offsets[0] = s["first"]
+                np.cumsum(lengths, out=offsets[1:])
+                offsets[1:] += s["first"]
+                shards.append({"url": _absolute(s["url"], base), "size": s["size"], "crc32": s["crc32"],
+                               "keys": list(s["keys"]), "offsets": offsets})  # fmt: skip
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{where}: damaged shard index ({type(e).__name__}: {e})") from None
+        return cls.from_shards(shards)
+
+    def save(self, dest: str, storage_options: dict | None = None) -> str:
+        """Write the index as JSON to ``dest`` (a path or fsspec URL of the file, or of a directory to put
+        ``fastfeed-index.json`` in); returns where it went. Written to a temporary name and renamed when local."""
+        dest = os.fspath(dest)
+        if _is_url(dest):
+            if dest.endswith("/"):
+                dest += FILENAME
+            data = json.dumps(self.to_json(_dirname(dest)), separators=(",", ":")).encode()
+            fs, path = sources.filesystem(dest, storage_options)
+            if _may_be_dir(fs, dest) and fs.isdir(path):
+                dest, path = dest.rstrip("/") + "/" + FILENAME, path.rstrip("/") + "/" + FILENAME
+            with fs.open(path, "wb") as f:
+                f.write(data)
+            return dest
+        dest = os.path.abspath(dest)
+        if os.path.isdir(dest):
+            dest = os.path.join(dest, FILENAME)
+        data = json.dumps(self.to_json(os.path.dirname(dest)), separators=(",", ":")).encode()
+        tmp = f"{dest}.tmp{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, dest)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return dest
+
+    @classmethod
+    def load(cls, src: str, storage_options: dict | None = None) -> ShardIndex:
+        """Read an index file (a path or fsspec URL, or a directory holding ``fastfeed-index.json``)."""
+        src = os.fspath(src)
+        if _is_url(src):
+            fs, path = sources.filesystem(src, storage_options)
+            if src.endswith("/") or (_may_be_dir(fs, src) and fs.isdir(path)):
+                src, path = src.rstrip("/") + "/" + FILENAME, path.rstrip("/") + "/" + FILENAME
+            try:
+                with fs.open(path, "rb") as f:
+                    raw = f.read()
+            except FileNotFoundError:
+                raise FileNotFoundError(f"shard index {src}: not found (build one with fastfeed.io.index_shards)")
+        else:
+            src = os.path.abspath(src)
+            if os.path.isdir(src):
+                src = os.path.join(src, FILENAME)
+            try:
+                with open(src, "rb") as f:
+                    raw = f.read()
+            except FileNotFoundError:
+                raise FileNotFoundError(f"shard index {src}: not found (build one with fastfeed.io.index_shards)")
+        try:
+            doc = json.loads(raw)
+        except ValueError as e:
+            raise ValueError(f"shard index {src}: not JSON ({e})") from None
+        return cls.from_json(doc, _dirname(src), where=f"shard index {src}")
+
+
+def index_shards(source, *, dest=None, storage_options: dict | None = None, num_threads: int = 8,
+                 progress: bool = False) -> ShardIndex:  # fmt: skip
+    """Index a shard set: read each shard once, streaming, ``num_threads`` shards at a time.
+
+    Args:
+        source: the shards (see ``sources.resolve``: a list, a directory, a brace pattern, a glob, a URL).
+        dest: None: do not save; True: save as ``fastfeed-index.json`` in the first shard's directory; a path or
+            URL: save there.
+        storage_options: passed to fsspec for URLs.
+        num_threads: shards read at once.
+        progress: show a progress bar over shards (tqdm).
+
+    Returns:
+        The index, its shards in source order.
+
+    Raises:
+        ShardError: a shard is missing, short or damaged, or repeats a key after other samples.
+    """
+    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
+        raise ValueError(f"index_shards: num_threads must be an int >= 1, got {num_threads!r}")
+    urls = sources.resolve(source, storage_options)
+    fs_cache: dict = {}
+
+    def one(url: str) -> dict:
+        return scan_shard(url, storage_options, fs_cache)
+
+    bar = _bar(progress, len(urls), "indexing shards", "shard")
+    try:
+        with ThreadPoolExecutor(min(num_threads, len(urls)), thread_name_prefix="fastfeed-index") as pool:
+            shards = []
+            for result in pool.map(one, urls):
+                shards.append(result)
+                if bar is not None:
+                    bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    index = ShardIndex.from_shards(shards)
+    if dest is True:
+        index.save(_dirname(urls[0]) + ("/" if _is_url(urls[0]) else os.sep) + FILENAME, storage_options)
+    elif dest is not None and dest is not False:
+        index.save(dest, storage_options)
+    return index
+
+
+def scan_shard(url: str, storage_options: dict | None = None, fs_cache: dict | None = None) -> dict:
+    """One shard's entry (``url``, ``size``, ``crc32``, ``keys``, ``offsets``), from one streaming read."""
+    try:
+        if _is_url(url):
+            fs_key = url.split("://", 1)[0]
+            cache = fs_cache if fs_cache is not None else {}
+            if fs_key not in cache:
+                cache[fs_key] = sources.filesystem(url, storage_options)[0]
+            fs = cache[fs_key]
+            f = fs.open(fs._strip_protocol(url), "rb", block_size=CHUNK)
+        else:
+            f = open(url, "rb", buffering=0)
+    except FileNotFoundError:
+        raise ShardError(url, "not found") from None
+    except Exception as e:
+        raise ShardError(url, f"could not be opened ({type(e).__name__}: {e})") from e
+    with f:
+        scan = Scan(f, url)
+        keys, offsets = [], []
+        try:
+            for key, at in scan.samples():
+                keys.append(key)
+                offsets.append(at)
+        except ShardError:
+            raise
+        except Exception as e:  # a failed request mid-stream: fsspec's clients raise more than OSError
+            raise ShardError(url, f"read failed ({type(e).__name__}: {e})", keys[-1] if keys else None) from e
+    offsets.append(scan.end)
+    return {"url": url, "size": scan.size, "crc32": scan.crc, "keys": keys, "offsets": offsets}
+
+
+def _bar(progress: bool, total: int, desc: str, unit: str):
+    if not progress:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit=unit)
+
+
+def _may_be_dir(fs, url: str) -> bool:
+    """Whether asking if ``url`` is a directory is worth a request: not for a ``.json`` name, and never over HTTP,
+    where it would download the file to look for links in it."""
+    return not url.endswith(".json") and not {"http", "https"} & set(_protocols(fs))
+
+
+def _protocols(fs) -> tuple:
+    p = fs.protocol
+    return (p,) if isinstance(p, str) else tuple(p)
+
+
+def _is_url(s: str) -> bool:
+    return "://" in s
+
+
+def _dirname(location: str) -> str:
+    if _is_url(location):
+        return location.rstrip("/").rsplit("/", 1)[0]
+    return os.path.dirname(os.path.abspath(location))
+
+
+def _relative(url: str, base: str | None) -> str:
+    """``url`` relative to directory ``base`` when it is inside it, else as it is."""
+    if base is None:
+        return url
+    if _is_url(url) != _is_url(base):
+        return url
+    if _is_url(url):
+        prefix = base.rstrip("/") + "/"
+        return url[len(prefix) :] if url.startswith(prefix) else url
+    rel = os.path.relpath(url, base)
+    return url if rel.startswith(os.pardir) else rel.replace(os.sep, "/")
+
+
+def _absolute(url: str, base: str | None) -> str:
+    if _is_url(url) or base is None or os.path.isabs(url):
+        return url
+    if _is_url(base):
+        return base.rstrip("/") + "/" + url
+    return os.path.normpath(os.path.join(base, url))

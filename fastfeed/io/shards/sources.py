@@ -1,0 +1,246 @@
+"""Where a shard set's shards are: a list, a directory, a brace pattern, a glob, or one path or URL.
+
+Brace patterns follow webdataset's (the ``braceexpand`` package's) rules, so a pattern that names a shard set for
+webdataset names the same shards, in the same order, here: ``{a,b}`` alternatives, ``{000..099}`` ranges (zero
+padded to the wider end when either end has a leading zero), ``{1..9..2}`` steps, ``{a..e}`` letter ranges, nesting,
+any number of braces, ``\\{`` for a literal brace.
+"""
+
+from __future__ import annotations
+
+import glob as globbing
+import itertools
+import os
+import re
+
+from ..remote import HINT, is_url
+
+SUFFIX = ".tar"  # what a directory's listing keeps
+_GLOB = re.compile(r"[*?\[]")
+_INT_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?$")
+_CHAR_RANGE = re.compile(r"^([A-Za-z])\.\.([A-Za-z])(?:\.\.(-?\d+))?$")
+
+
+def resolve(source, storage_options: dict | None = None) -> list[str]:
+    """The shards ``source`` names, in order.
+
+    Args:
+        source: a list or tuple of paths or URLs (taken as given, in that order); a directory (local, or an fsspec
+            URL of one: all its ``*.tar`` files, sorted by name); a brace pattern; a glob; or one path or URL.
+        storage_options: passed to fsspec for URLs (``s3://`` credentials, ``endpoint_url`` in ``client_kwargs``).
+
+    Returns:
+        Local paths made absolute, URLs as given.
+
+    Raises:
+        ValueError: the source names no shards.
+        FileNotFoundError: a single local path that does not exist.
+        TypeError: ``source`` is not a path, a URL or a list of them.
+    """
+    if isinstance(source, (list, tuple)):
+        if not source:
+            raise ValueError("shard source: the list of shards is empty")
+        out = []
+        for item in source:
+            if not isinstance(item, (str, os.PathLike)):
+                raise TypeError(f"shard source: list items must be paths or URLs, got {type(item).__name__} {item!r}")
+            out.append(_absolute(os.fspath(item)))
+        return out
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError("shard source must be a path, a URL, a brace pattern or a list of them; "
+                        f"got {type(source).__name__}")  # fmt: skip
+    source = os.fspath(source)
+    if not source:
+        raise ValueError("shard source is an empty string")
+    if _has_braces(source):
+        out = []
+        for s in braceexpand(source):
+            # A glob inside a pattern ("{train,val}/*.tar") is listed; a plain name is taken as given, unlisted.
+            out.extend(resolve(s, storage_options) if _GLOB.search(s.split("://", 1)[-1]) else [_absolute(s)])
+        return out
+    if is_url(source) or source.startswith("file://"):
+        return _resolve_url(source, storage_options)
+    if _GLOB.search(source):
+        found = sorted(os.path.abspath(p) for p in globbing.glob(source) if os.path.isfile(p))
+        if not found:
+            raise ValueError(f"shard source {source!r}: the glob matches no files")
+        return found
+    if os.path.isdir(source):
+        found = sorted(e.path for e in os.scandir(source) if e.name.endswith(SUFFIX) and e.is_file())
+        if not found:
+            raise ValueError(f"shard source {source!r}: the directory holds no *{SUFFIX} files")
+        return [os.path.abspath(p) for p in found]
+    if not os.path.exists(source):
+        raise FileNotFoundError(f"shard source {source!r}: no such file or directory")
+    return [os.path.abspath(source)]
+
+
+def filesystem(url: str, storage_options: dict | None = None):
+    """``(fsspec filesystem, path)`` for ``url``, with a clear error when fsspec is not installed."""
+    try:
+        import fsspec.core
+    except ImportError:
+        raise ImportError(f"fastfeed shards: {url} needs fsspec: {HINT}") from None
+    return fsspec.core.url_to_fs(url, **(storage_options or {}))
+
+
+def _resolve_url(source: str, storage_options: dict | None) -> list[str]:
+    fs, path = filesystem(source, storage_options)
+    if _GLOB.search(path):
+        found = sorted(p for p in fs.glob(path) if fs.isfile(p))
+        if not found:
+            raise ValueError(f"shard source {source!r}: the glob matches no files")
+        static = source[: _GLOB.search(source).start()].rsplit("/", 1)[0]
+        return [_as_url(fs, static, p) for p in found]
+    # HTTP has no directories: asking whether a shard URL is one would download it, so a name that ends like a
+    # shard is a shard, and only a URL ending in "/" is listed.
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    if path.rstrip("/").endswith(SUFFIX) or ({"http", "https"} & set(protocols) and not source.endswith("/")):
+        return [source]
+    if fs.isdir(path):
+        found = sorted(p for p in fs.ls(path, detail=False) if p.endswith(SUFFIX) and fs.isfile(p))
+        if not found:
+            raise ValueError(f"shard source {source!r}: the directory holds no *{SUFFIX} files")
+        return [_as_url(fs, source.rstrip("/"), p) for p in found]
+    if not fs.exists(path):
+        raise FileNotFoundError(f"shard source {source!r}: no such file or directory")
+    return [source]
+
+
+def _as_url(fs, prefix: str, path: str) -> str:
+    """A listed path (fsspec lists them without the protocol, normalized) back as a URL spelled as the source is:
+    ``prefix`` is the source's URL up to a directory, and the path's part below that directory is appended."""
+    if "://" in path:
+        return path
+    stripped = fs._strip_protocol(prefix).rstrip("/")
+    if path.startswith(stripped + "/"):
+        return prefix.rstrip("/") + path[len(stripped) :]
+    return fs.unstrip_protocol(path)
+
+
+def _absolute(path: str) -> str:
+    return path if "://" in path else os.path.abspath(path)
+
+
+# -- brace expansion (the braceexpand package's semantics, which webdataset uses) ---------------------------------
+
+
+def _has_braces(pattern: str) -> bool:
+    return "{" in pattern and "}" in pattern
+
+
+def braceexpand(pattern: str) -> list[str]:
+    """Every string ``pattern`` expands to, in order (see the module docstring for the rules)."""
+    depth, i = 0, 0
+    while i < len(pattern):
+        c = pattern[i]
+        depth += (c == "{") - (c == "}")
+        if depth < 0:
+            break
+        i += 2 if c == "\\" else 1
+    if depth:
+        raise ValueError(f"shard source {pattern!r}: unbalanced braces (write \\{{ or \\}} for a literal one)")
+    return [_unescape(s) for s in _expand(pattern)]
+
+
+def _unescape(s: str) -> str:
+    return re.sub(r"\\(.)", r"\1", s)
+
+
+def _expand(pattern: str) -> list[str]:
+    """Expansions, still escaped: the first top-level brace group is expanded and the rest recursed into."""
+    start = _find_open(pattern)
+    if start < 0:
+        return [pattern]
+    end = _find_close(pattern, start)
+    if end < 0:
+        raise ValueError(f"shard source {_unescape(pattern)!r}: unbalanced braces (write \\{{ for a literal one)")
+    head, body, tail = pattern[:start], pattern[start + 1 : end], pattern[end + 1 :]
+    choices = _choices(body)
+    if choices is None:  # "{x}": no comma, no range; literal braces around an expansion of x
+        choices = ["{" + b + "}" for b in _expand(body)]
+    tails = _expand(tail)
+    return [head + c + t for c, t in itertools.product(choices, tails)]
+
+
+def _find_open(s: str, start: int = 0) -> int:
+    i = start
+    while i < len(s):
+        if s[i] == "\\":
+            i += 2
+            continue
+        if s[i] == "{":
+            return i
+        i += 1
+    return -1
+
+
+def _find_close(s: str, start: int) -> int:
+    depth, i = 0, start
+    while i < len(s):
+        c = s[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+        i += 1
+    return -1
+
+
+def _split_top(body: str) -> list[str]:
+    parts, depth, cur, i = [], 0, [], 0
+    while i < len(body):
+        c = body[i]
+        if c == "\\":
+            cur.append(body[i : i + 2])
+            i += 2
+            continue
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+        if c == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(c)
+        i += 1
+    parts.append("".join(cur))
+    return parts
+
+
+def _choices(body: str) -> list[str] | None:
+    parts = _split_top(body)
+    if len(parts) > 1:
+        return [e for p in parts for e in _expand(p)]
+    m = _INT_RANGE.match(body)
+    if m:
+        return _int_range(*m.groups())
+    m = _CHAR_RANGE.match(body)
+    if m:
+        a, b, step = m.groups()
+        step = abs(int(step)) if step else 1
+        step = step or 1
+        lo, hi = ord(a), ord(b)
+        seq = range(lo, hi + 1, step) if lo <= hi else range(lo, hi - 1, -step)
+        return [chr(c) for c in seq]
+    return None
+
+
+def _int_range(a: str, b: str, step: str | None) -> list[str]:
+    lo, hi = int(a), int(b)
+    step_n = abs(int(step)) if step else 1
+    step_n = step_n or 1
+    width = max(len(a), len(b)) if _padded(a) or _padded(b) else 0
+    seq = range(lo, hi + 1, step_n) if lo <= hi else range(lo, hi - 1, -step_n)
+    return [f"{n:0{width}d}" if width else str(n) for n in seq]
+
+
+def _padded(n: str) -> bool:
+    digits = n.lstrip("-")
+    return len(digits) > 1 and digits.startswith("0")
