@@ -7,6 +7,7 @@ project checks itself against them:
   .venv/bin/python benchmarks/targets.py docs/bench/standard.json          # a `fastfeed bench` report
   .venv/bin/python benchmarks/targets.py bench-results/transport-*.json    # a script's result (benchmarks/*.py)
   .venv/bin/python benchmarks/targets.py bench-results/tune-*.json         # benchmarks/tune.py's result
+  .venv/bin/python benchmarks/targets.py docs/bench/shards.json            # fastfeed bench shards' report
 
 One line per target that a figure of the report answers, then the count met; exit 1 when one was missed.
 The scripts under benchmarks/ (transport.py, jpeg.py...) print the same lines after their figures, and
@@ -67,6 +68,9 @@ TARGETS = (
 )
 # files (fastfeed bench files, benchmarks/io.py): over HTTP, read-ahead and the cache's epoch 2 against torch.
 FILES = {("http", "readahead"): 4.0, ("http", "cached"): 10.0}
+# shards (fastfeed bench shards, benchmarks/shards.py): Shards over each peer's throughput on HTTP; resumed at 50% over
+# an epoch start's time to first batch; epoch 2's downloads with the data 2x the cache, over the ideal (data - cache).
+SHARDS = {"http_throughput": 1.2, "resume": 1.5, "cache": 1.1}
 # tune: tuned / grid best, tuning time / grid time, chosen nw against the knee, reruns' spread, and (c)'s call.
 TUNE = {"throughput": 0.95, "time": 0.4, "knee_slack": 1, "agreement": 0.03, "not_input_bound_s": 10.0}
 
@@ -107,6 +111,26 @@ def files_checks(result: dict) -> list[Check]:
     return out
 
 
+def shards_checks(result: dict) -> list[Check]:
+    """The targets of the shards workload's result (``fastfeed/bench/suites/shards.py``)."""
+    out = []
+    for peer, figs in ((result.get("http") or {}).get("vs") or {}).items():
+        median = figs["throughput"]["median"]
+        out.append(Check(f"shards http fastfeed/{peer}", f"samples/s >= {SHARDS['http_throughput']}x",
+                         f"{median:.2f}x", median >= SHARDS["http_throughput"]))
+    resume = (result.get("resume") or {}).get("fastfeed")
+    if resume:
+        median = resume["ratio"]["median"]
+        out.append(Check("shards resume fastfeed", f"first batch resumed at 50% / epoch start <= {SHARDS['resume']}x",
+                         f"{median:.2f}x", median <= SHARDS["resume"]))
+    cache = result.get("cache") or {}
+    if cache.get("fastfeed"):
+        ratio = cache["fastfeed"]["epoch2_bytes"] / cache["ideal_bytes"]
+        out.append(Check("shards cache fastfeed", f"epoch 2 downloads / (data - cache) <= {SHARDS['cache']}x",
+                         f"{ratio:.2f}x", ratio <= SHARDS["cache"]))
+    return out
+
+
 def tune_checks(rows: list[dict]) -> list[Check]:
     """The targets of the tune workload's rows (one per workload, as ``fastfeed/bench/suites/tune.py`` writes)."""
     out = []
@@ -141,12 +165,15 @@ def checks(result: dict) -> list[Check]:
         return comparison_checks(result["params"]["script"], result["summary"])
     if "rows" in result:
         return tune_checks(result["rows"])
+    if result.get("workload") == "shards":
+        return shards_checks(result)
     return files_checks(result)
 
 
 CHECKERS: dict[str, Callable[[str, dict], list[Check]]] = {
     "comparison": lambda name, res: comparison_checks(res["params"]["script"], res["summary"]),
     "files": lambda name, res: files_checks(res),
+    "shards": lambda name, res: shards_checks(res),
     "tune": lambda name, res: tune_checks(res["rows"]),
 }
 

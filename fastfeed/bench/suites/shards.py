@@ -94,23 +94,16 @@ def decode(sample: dict) -> tuple[torch.Tensor, int]:
 
 
 def write_tar(samples: Samples, dest: Path, per_shard: int) -> tuple[list[Path], np.ndarray]:
-    """The samples as tar shards in ``dest`` (keys ``%09d``); the shard paths and each shard's first sample."""
-    import fastfeed.io as ffio
+    """The samples as tar shards in ``dest`` with their index (``fastfeed.io.write_shards``, keys ``%09d``); the
+    shard paths and each shard's first sample."""
+    from fastfeed.io import ShardIndex, write_shards
 
     dest.mkdir(parents=True, exist_ok=True)
-    if hasattr(ffio, "write_shards"):
-        shard_bytes = per_shard * (samples.size + 2048)  # two 512-byte headers and padding per member
-        ffio.write_shards(samples, str(dest), shard_bytes=shard_bytes, progress=False)
-    else:
-        import webdataset as wds
-
-        with wds.ShardWriter(str(dest / "shard-%06d.tar"), maxcount=per_shard, verbose=0) as sink:
-            for i in range(len(samples)):
-                sink.write({"__key__": f"{i:09d}", **samples[i]})
-    paths = sorted(dest.glob("*.tar"))
-    index = ffio.index_shards([str(p) for p in paths], dest=True) if hasattr(ffio, "index_shards") else None
-    starts = np.asarray(index.starts[:-1]) if index is not None else np.arange(0, len(samples), per_shard)
-    return paths, starts
+    # A shard ends before the sample that would take it past shard_bytes: ~per_shard samples, each its two members'
+    # headers (512 bytes each) and the data's padding to 512.
+    write_shards(samples, str(dest), shard_bytes=per_shard * (samples.size + 1536), num_workers=0, progress=False)
+    index = ShardIndex.load(str(dest / "fastfeed-index.json"))
+    return sorted(dest.glob("*.tar")), np.asarray(index.starts[:-1])
 
 
 # --- the server ----------------------------------------------------------------------------------------------------
@@ -218,15 +211,12 @@ class Sides:
             return [f"{self.server.url}/{TAR_DIR}/{p.name}" for p in self.data["tar"]]
         return [str(p) for p in self.data["tar"]]
 
-    def fastfeed(self, seed: int, cache_bytes: int | None = None, policy: str | None = None):
+    def fastfeed(self, seed: int, cache_bytes: int | None = None, **kwargs):
         import fastfeed
         from fastfeed.io import Shards
 
-        kwargs: dict[str, Any] = {}
         if self.storage == "http":
             kwargs.update(cache_dir=self.fresh_dir("fastfeed-cache"), cache_bytes=cache_bytes)
-        if policy is not None:
-            kwargs["cache_policy"] = policy
         ds = Shards(self.tar_sources(), decode=decode, shuffle=True, seed=seed, **kwargs)
         return fastfeed.DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
 
@@ -340,9 +330,9 @@ def simulate(uses: list[list[int]], sizes, capacity: int, policy: str) -> list[i
     return out
 
 
-def _fastfeed_epochs(sides: Sides, seed: int, cache_bytes: int, policy: str | None) -> dict:
+def _fastfeed_epochs(sides: Sides, seed: int, cache_bytes: int, **kwargs) -> dict:
     with _trial("fastfeed") as rec:
-        loader = sides.fastfeed(seed, cache_bytes=cache_bytes, policy=policy)
+        loader = sides.fastfeed(seed, cache_bytes=cache_bytes, **kwargs)
         ds = loader.dataset
         uses, stats, served = [], [], []
         for e in range(2):
@@ -365,13 +355,16 @@ def cache_part(sides: Sides, loaders: list[str], seed: int = 7) -> dict:
     cache = data // 2
     out: dict[str, Any] = {"data_bytes": data, "cache_bytes": cache, "ideal_bytes": data - cache}
     if "fastfeed" in loaders:
-        rec = _fastfeed_epochs(sides, seed, cache, None)
+        # Shards needs its window and what it downloads ahead in the cache at once: at most half of it here.
+        window = max(1, min(8, len(tar_sizes) // 2 // 4))
+        kwargs = dict(shuffle_window=window, predownload=window)
+        rec = _fastfeed_epochs(sides, seed, cache, **kwargs)
         uses = rec.pop("uses")
-        out["fastfeed"] = dict(rec, policy="farthest next use")
+        out["fastfeed"] = dict(rec, policy="farthest next use", **kwargs)
         from fastfeed.io import Shards
 
         if "cache_policy" in inspect.signature(Shards).parameters:
-            lru = _fastfeed_epochs(sides, seed, cache, "lru")
+            lru = _fastfeed_epochs(sides, seed, cache, cache_policy="lru", **kwargs)
             lru.pop("uses")
             out["lru"] = dict(lru, how="fastfeed's cache with cache_policy='lru', the same seed")
         else:
@@ -473,28 +466,23 @@ def _parse(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--samples", type=int, default=2048)
-    p.add_argument("--per-shard", type=int, default=64, help="samples per tar shard (~6.5 MB at 100 KB)")
+    p.add_argument("--per-shard", type=int, default=32, help="samples per tar shard (~3.3 MB at 100 KB)")
     p.add_argument("--size", type=int, default=100_000)
     p.add_argument("--latency-ms", type=float, default=5.0)
     p.add_argument("--jitter-ms", type=float, default=5.0)
     p.add_argument("--loaders", nargs="+", default=list(LOADERS), choices=LOADERS)
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
-    p.add_argument("--quick", action="store_true", help="1 round of 384 samples in shards of 32")
+    p.add_argument("--quick", action="store_true", help="1 round of 384 samples in shards of 16")
     args = p.parse_args(argv)
     if args.quick:
-        args.rounds, args.samples, args.per_shard = 1, 384, 32
+        args.rounds, args.samples, args.per_shard = 1, 384, 16
     return args
 
 
 def _available(loaders: list[str], say: Callable) -> tuple[list[str], dict]:
     skipped = {}
     for name in loaders:
-        if name == "fastfeed":
-            import fastfeed.io
-
-            why = None if hasattr(fastfeed.io, "Shards") else "needs fastfeed.io.Shards, which this fastfeed lacks"
-        else:
-            why = peers.missing(name)
+        why = None if name == "fastfeed" else peers.missing(name)
         if why:
             skipped[name] = why
             say(f"# shards {name}: skipped, it {why}")
@@ -505,10 +493,6 @@ def main(argv=None) -> dict:
     args = _parse(argv)
     say = print
     loaders, skipped = _available(args.loaders, say)
-    import fastfeed.io as ffio
-
-    if not hasattr(ffio, "write_shards") and peers.missing("webdataset"):
-        raise SystemExit("shards: writing the tar shards needs webdataset (pip install webdataset) in this fastfeed")
     parts = list(args.parts)
     why = extras.missing(extras.HTTP)
     if why and set(parts) & {"http", "resume", "cache"}:
