@@ -298,7 +298,7 @@ def shards_markdown(res: dict) -> str:
     if cache:
         lines += ["", f"| epoch 2's downloads (http), data 2x the cache | downloaded | / (data - cache) |",
                   "|---|---|---|"]
-        names = {"fastfeed": "fastfeed.io.Shards (farthest next use)", "lru": "LRU", "belady": "farthest next use",
+        names = {"fastfeed": "fastfeed.io.Shards (farthest next use)", "lru": "LRU", "belady": "Belady",
                  "mosaic": "Mosaic StreamingDataset (cache_limit)", "webdataset": "webdataset (no cache)"}
         for side, label in names.items():
             figs = cache.get(side)

@@ -8,7 +8,7 @@ Mosaic's MDS (streaming.MDSWriter, shards of about the same bytes), both outside
              endpoint (S3_ENDPOINT_URL): the same server, the same latency per request (boto3 sends a HEAD and a
              GET per shard).
   (b) local  the same shards on local disk, each file's pages dropped before each epoch (posix_fadvise DONTNEED).
-Loaders, nw=2, batch 32, shuffled, the same decode (the jpg bytes padded or cut to a 100,000-byte uint8 tensor,
+Loaders, nw=2, batch 32, shuffled, the same decode (the jpg bytes padded or cut to a --size-byte uint8 tensor,
 and the cls int), every trial a fresh dataset and loader (and an empty cache where the loader has one):
   fastfeed    fastfeed.io.Shards through fastfeed.DataLoader;
   webdataset  WebDataset(shardshuffle=<shards>).shuffle(1000).map(decode).batched(32) (batching in the workers)
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import gc
 import inspect
 import math
@@ -84,11 +85,11 @@ class Samples(torch.utils.data.Dataset):
         return {"jpg": jpeg_like(i, self.size, self.seed), "cls": i}
 
 
-def decode(sample: dict) -> tuple[torch.Tensor, int]:
-    """Every loader's decode: the jpg bytes padded or cut to ``SAMPLE_BYTES`` (uint8), and the cls int."""
+def decode(sample: dict, nbytes: int = SAMPLE_BYTES) -> tuple[torch.Tensor, int]:
+    """Every loader's decode: the jpg bytes padded or cut to ``nbytes`` (a uint8 tensor), and the cls int."""
     data = sample["jpg"]
-    out = np.zeros(SAMPLE_BYTES, np.uint8)
-    n = min(len(data), SAMPLE_BYTES)
+    out = np.zeros(nbytes, np.uint8)
+    n = min(len(data), nbytes)
     out[:n] = np.frombuffer(data, np.uint8, count=n)
     return torch.from_numpy(out), int(sample["cls"])
 
@@ -176,7 +177,7 @@ _SHM_KEEP: set[str] = set()
 
 
 @contextlib.contextmanager
-def _trial(loader_name: str):
+def _trial(loader_name: str, sides: Sides):
     """Whatever a trial leaves is gone before the next: its workers (counted if any outlive it), Mosaic's /dev/shm.
 
     The trial must hold no reference to its loader or dataset when it ends (a Mosaic dataset still alive would have
@@ -191,6 +192,7 @@ def _trial(loader_name: str):
         record["leftover_procs"] = wait_for_exit(set(process_tree()) - before)
         if loader_name == "mosaic":
             record["shm_removed"] = len(peers.clean_shared_memory(_SHM_KEEP))
+        sides.drop_dirs()  # each trial's cache holds up to the whole data
 
 
 class Sides:
@@ -198,13 +200,21 @@ class Sides:
 
     def __init__(self, data: dict, storage: str, scratch: Path, server: Served | None):
         self.data, self.storage, self.scratch, self.server = data, storage, scratch, server
+        self.decode = functools.partial(decode, nbytes=data["sample_bytes"])
         self._n = 0
+        self._dirs: list[Path] = []
 
     def fresh_dir(self, name: str) -> str:
         self._n += 1
         path = self.scratch / f"{name}-{self._n}"
         path.mkdir(parents=True)
+        self._dirs.append(path)
         return str(path)
+
+    def drop_dirs(self) -> None:
+        for path in self._dirs:
+            shutil.rmtree(path, ignore_errors=True)
+        self._dirs.clear()
 
     def tar_sources(self) -> list[str]:
         if self.storage == "http":
@@ -217,18 +227,18 @@ class Sides:
 
         if self.storage == "http":
             kwargs.update(cache_dir=self.fresh_dir("fastfeed-cache"), cache_bytes=cache_bytes)
-        ds = Shards(self.tar_sources(), decode=decode, shuffle=True, seed=seed, **kwargs)
+        ds = Shards(self.tar_sources(), decode=self.decode, shuffle=True, seed=seed, **kwargs)
         return fastfeed.DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
 
     def webdataset(self, seed: int):
-        return peers.webdataset_loader(self.tar_sources(), decode, batch_size=BATCH, num_workers=WORKERS, seed=seed)
+        return peers.webdataset_loader(self.tar_sources(), self.decode, batch_size=BATCH, num_workers=WORKERS, seed=seed)
 
     def mosaic(self, seed: int, **kwargs):
         if self.storage == "http":
             remote, local = f"s3://{BUCKET}/{MDS_PREFIX}", self.fresh_dir("mosaic-cache")
         else:
             remote, local = None, str(self.data["mds_dir"])
-        return peers.mosaic_loader(remote, local, decode, batch_size=BATCH, num_workers=WORKERS, seed=seed,
+        return peers.mosaic_loader(remote, local, self.decode, batch_size=BATCH, num_workers=WORKERS, seed=seed,
                                    **kwargs)
 
     def before_epoch(self, name: str) -> None:
@@ -238,7 +248,7 @@ class Sides:
 
 def epoch_trial(sides: Sides, name: str, seed: int) -> dict:
     """One epoch of a fresh ``name`` loader: time to first batch and samples/s, both from building the dataset."""
-    with _trial(name) as rec:
+    with _trial(name, sides) as rec:
         sides.before_epoch(name)
         t0 = time.perf_counter()
         loader = getattr(sides, name)(seed)
@@ -258,7 +268,7 @@ def resume_trial(sides: Sides, name: str, seed: int) -> dict:
     """A run stopped at 50% of its epoch and its state taken, then a fresh loader (and an empty cache) resumed from
     it: both times to the first batch (the stopped run's is an epoch start), and whether the resumed run's first
     batch is the batch the stopped run would have yielded next."""
-    with _trial(name) as rec:
+    with _trial(name, sides) as rec:
         t0 = time.perf_counter()
         loader = getattr(sides, name)(seed)
         it = iter(loader)
@@ -331,7 +341,7 @@ def simulate(uses: list[list[int]], sizes, capacity: int, policy: str) -> list[i
 
 
 def _fastfeed_epochs(sides: Sides, seed: int, cache_bytes: int, **kwargs) -> dict:
-    with _trial("fastfeed") as rec:
+    with _trial("fastfeed", sides) as rec:
         loader = sides.fastfeed(seed, cache_bytes=cache_bytes, **kwargs)
         ds = loader.dataset
         uses, stats, served = [], [], []
@@ -371,7 +381,8 @@ def cache_part(sides: Sides, loaders: list[str], seed: int = 7) -> dict:
             out["lru"] = dict(epoch2_bytes=simulate(uses, tar_sizes, cache, "lru")[1],
                               how="LRU simulated on fastfeed's order of shards (whole shards, same cache bytes)")
         out["belady"] = dict(epoch2_bytes=simulate(uses, tar_sizes, cache, "farthest")[1],
-                             how="farthest next use simulated on the same order (the least any cache downloads)")
+                             how="farthest next use simulated on fastfeed's order (the least a cache of whole "
+                             "shards downloads)")
     if "mosaic" in loaders:
         mds = [p.stat().st_size for p in sides.data["mds"]]
         # Mosaic's default predownload (8 batches a worker) can exceed a small cache, which then evicts shards
@@ -381,7 +392,7 @@ def cache_part(sides: Sides, loaders: list[str], seed: int = 7) -> dict:
         # samples from every shard, and a cache of half the shards would download a shard per sample or two. A
         # block of 4 shards' samples keeps its reads to a few shards at a time, as at a real dataset's scale.
         block = 4 * sides.data["samples"] // len(mds)
-        with _trial("mosaic") as rec:
+        with _trial("mosaic", sides) as rec:
             rec.update(data_bytes=sum(mds), cache_bytes=sum(mds) // 2, ideal_bytes=sum(mds) - sum(mds) // 2,
                        predownload=predownload, shuffle_block_size=block,
                        policy="cache_limit (LRU), counted by the server")
@@ -400,7 +411,7 @@ def cache_part(sides: Sides, loaders: list[str], seed: int = 7) -> dict:
                 loader = None
         out["mosaic"] = rec
     if "webdataset" in loaders:
-        with _trial("webdataset") as rec:
+        with _trial("webdataset", sides) as rec:
             before = sides.server.sent(TAR_DIR)
             loader = sides.webdataset(seed)
             for batch in loader:
@@ -464,18 +475,20 @@ def resume_part(sides: Sides, loaders: list[str], rounds: int, say: Callable = p
 
 def _parse(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--samples", type=int, default=2048)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--samples", type=int, default=4096)
     p.add_argument("--per-shard", type=int, default=32, help="samples per tar shard (~3.3 MB at 100 KB)")
     p.add_argument("--size", type=int, default=100_000)
     p.add_argument("--latency-ms", type=float, default=5.0)
     p.add_argument("--jitter-ms", type=float, default=5.0)
     p.add_argument("--loaders", nargs="+", default=list(LOADERS), choices=LOADERS)
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
-    p.add_argument("--quick", action="store_true", help="1 round of 384 samples in shards of 16")
+    p.add_argument("--quick", action="store_true", help="1 round of 1,536 samples of ~25 KB in shards of 64")
     args = p.parse_args(argv)
     if args.quick:
-        args.rounds, args.samples, args.per_shard = 1, 384, 16
+        # Small bytes but not few shards: the cache part needs the data in 24 shards or more (Shards protects its
+        # window, what it downloads ahead, and the shards of workers a few batches behind).
+        args.rounds, args.samples, args.size, args.per_shard = 1, 1536, 25_000, 64
     return args
 
 
@@ -509,7 +522,7 @@ def main(argv=None) -> dict:
         samples = Samples(args.samples, args.size)
         t0 = time.perf_counter()
         tar, starts = write_tar(samples, root / TAR_DIR, args.per_shard)
-        data = {"tar": tar, "starts": starts, "samples": args.samples,
+        data = {"tar": tar, "starts": starts, "samples": args.samples, "sample_bytes": args.size,
                 "bytes": sum(len(samples[i]["jpg"]) for i in range(len(samples)))}  # fmt: skip
         if "mosaic" in loaders:
             mds_dir = root / BUCKET / MDS_PREFIX
@@ -524,7 +537,7 @@ def main(argv=None) -> dict:
                                 tar_shards=len(tar), mds_shards=len(data.get("mds", [])),
                                 data_bytes=sum(p.stat().st_size for p in tar), rounds=args.rounds,
                                 latency_ms=args.latency_ms, jitter_ms=args.jitter_ms, batch_size=BATCH,
-                                num_workers=WORKERS, sample_bytes=SAMPLE_BYTES, quick=args.quick,
+                                num_workers=WORKERS, sample_bytes=data["sample_bytes"], quick=args.quick,
                                 loaders=loaders, webdataset_batching=".batched(32) in the workers, DataLoader("
                                 "batch_size=None)", mosaic_endpoint="the same FileServer as a path-style S3 "
                                 "endpoint (S3_ENDPOINT_URL), the same latency per request")  # fmt: skip
