@@ -1,8 +1,9 @@
 """Tar shards: fastfeed.io.Shards against webdataset and MosaicML Streaming, over HTTP and from local disk.
 
 The data: --samples JPEG-like samples (a JPEG header, seeded random bytes, an end marker; ~100 KB +- 10%) with a
-`cls` int (the sample's index), written once as WebDataset tar shards of --per-shard samples, and converted once to
-Mosaic's MDS (streaming.MDSWriter, shards of about the same bytes), both outside the timing.
+`cls` int (the sample's index), written once as WebDataset tar shards of about --per-shard samples
+(fastfeed.io.write_shards), and converted once to Mosaic's MDS (streaming.MDSWriter, shards of the same mean bytes),
+both outside the timing.
   (a) http   the shards served on 127.0.0.1 with 5 +- 5 ms per request (fastfeed/bench/http.py's FileServer, in a
              process of its own). Mosaic reads no HTTP URL, so the same server answers it as a path-style S3
              endpoint (S3_ENDPOINT_URL): the same server, the same latency per request (boto3 sends a HEAD and a
@@ -21,10 +22,12 @@ Figures:
   - resume (http): a run stopped at 50% of an epoch, its state_dict() taken, then a fresh loader that loads it:
     its time to the first batch against the stopped run's own epoch start (webdataset has no resume);
   - cache (http): with cache_bytes = data / 2, bytes downloaded in epoch 2 (after epoch 1 of the same loader),
-    against the ideal (data - cache) and against LRU on the same order of shards.
+    against the ideal (data - cache), LRU (fastfeed's cache with cache_policy="lru" where Shards takes it, else
+    simulated on fastfeed's order of shards), Belady's (simulated), Mosaic's cache_limit, webdataset (no cache).
 Bytes are also counted by the server (bytes of GET bodies), the same way for every loader.
 
-Run: .venv/bin/python benchmarks/shards.py [--rounds 3] [--samples 2048] [--quick] [--loaders ...] [--parts ...]
+Run: .venv/bin/python benchmarks/shards.py [--rounds 5] [--samples 4096] [--quick] [--loaders ...] [--parts ...]
+(or fastfeed bench shards, which writes a report: ~2.5 min on 2 cores).
 """
 
 from __future__ import annotations
@@ -231,7 +234,8 @@ class Sides:
         return fastfeed.DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
 
     def webdataset(self, seed: int):
-        return peers.webdataset_loader(self.tar_sources(), self.decode, batch_size=BATCH, num_workers=WORKERS, seed=seed)
+        return peers.webdataset_loader(self.tar_sources(), self.decode, batch_size=BATCH, num_workers=WORKERS,
+                                       seed=seed)
 
     def mosaic(self, seed: int, **kwargs):
         if self.storage == "http":
