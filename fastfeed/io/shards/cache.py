@@ -373,7 +373,8 @@ class ShardCache:
                 error = e
             if attempt < self.retries:
                 time.sleep(min(BACKOFF_S * 2**attempt, MAX_BACKOFF_S))
-        raise ShardError(url, f"asking its size failed {self.retries + 1} time(s); last: {_describe(error, self.timeout)}")
+        last = _describe(error, self.timeout)
+        raise ShardError(url, f"asking its size failed {self.retries + 1} time(s); last: {last}")
 
     def _reserve(self, k, url, size, next_use, protect, optional) -> bool:
         """Room for ``size`` bytes, evicting as the policy says; waits up to ``wait_s`` for room that only
@@ -481,8 +482,8 @@ class ShardCache:
                         with contextlib.suppress(FileNotFoundError):
                             os.unlink(tmp)
             else:
-                raise ShardError(url, f"download failed {self.retries + 1} time(s); last: {_describe(errors[-1], self.timeout)}") \
-                    from errors[-1]  # fmt: skip
+                last = _describe(errors[-1], self.timeout)
+                raise ShardError(url, f"download failed {self.retries + 1} time(s); last: {last}") from errors[-1]
         finally:
             with self._state() as state:
                 state["reserved"].pop(str(k), None)
