@@ -3,6 +3,7 @@ HTTP file server of fastfeed/bench/http.py with latency and faults, moto's S3 se
 
 from __future__ import annotations
 
+import asyncio
 import math
 import multiprocessing
 import os
@@ -15,6 +16,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 
 from fastfeed.bench.http import FileServer, make_files
 from fastfeed.io.shards.cache import ShardCache, dataset_dir
@@ -35,7 +37,23 @@ def fsspec_io_thread() -> None:
 
 
 class Faults(FileServer):
-    """The file server, whose ``{"truncate": k}`` truncates only the next k answers (``True``: all)."""
+    """The file server, whose ``{"truncate": k}`` truncates only the next k answers (``True``: all), and whose
+    ``{"dribble": s}`` sends a file in 8 parts with s seconds of silence after each: slow, but never stalled."""
+
+    async def _handle(self, request):
+        spec = self.faults.get(request.path.lstrip("/")) or {}
+        if "dribble" not in spec:
+            return await super()._handle(request)
+        self._requests += 1
+        data = (Path(self.root) / request.path.lstrip("/")).read_bytes()
+        response = web.StreamResponse(headers={"Content-Length": str(len(data))})
+        await response.prepare(request)
+        step = -(-len(data) // 8)
+        for start in range(0, len(data), step):
+            await response.write(data[start: start + step])
+            await asyncio.sleep(spec["dribble"])
+        await response.write_eof()
+        return response
 
     def _take_fault(self, relpath):
         spec = self.faults.get(relpath)
@@ -233,6 +251,17 @@ def test_a_download_that_keeps_failing_raises_a_shard_error_naming_the_shard(sha
     assert site.server.requests == requests
     assert os.listdir(cache.directory / "entries") == os.listdir(cache.directory / "tmp") == []
     assert cache.stats()["used_bytes"] == 0
+
+
+def test_a_slow_download_is_not_cut_by_the_read_timeout(shards, caches, tmp_path):
+    """A body that takes 8 x 0.2 s to arrive, never silent for the 0.5 s read timeout, arrives whole in one
+    request: the timeout bounds silence, not the download."""
+    site = shards(n=1)
+    site.server.faults[site.names[0]] = {"dribble": 0.2}
+    cache = caches(tmp_path / "cache", 10**6, retries=0, timeout=0.5)
+    t0 = time.monotonic()
+    assert Path(cache.local(*site.item(0))).read_bytes() == site.data[0]
+    assert time.monotonic() - t0 > 2 * 0.5 and site.server.requests == 1
 
 
 def test_a_corrupt_download_is_never_admitted(shards, caches, tmp_path):
