@@ -104,7 +104,9 @@ def caches():
 
     def make(directory, limit, **kwargs):
         kwargs.setdefault("timeout", 5.0)
-        cache = ShardCache(directory, limit, **kwargs)
+        fingerprint = kwargs.pop("fingerprint", None)
+        cache = (ShardCache(directory, limit, **kwargs) if fingerprint is None
+                 else ShardCache.for_dataset(directory, fingerprint, limit, **kwargs))  # fmt: skip
         made.append(cache)
         return cache
 
@@ -146,9 +148,10 @@ def test_a_shard_is_downloaded_once_checked_and_then_served_from_disk(shards, ca
     """The first request downloads the whole shard into a 0700 directory; the next is a local hit with no
     request, and stats() counts both."""
     site = shards(n=2)
-    cache = caches(dataset_dir(tmp_path / "cache", "ab" * 32), 10**6)
+    cache = caches(tmp_path / "cache", 10**6, fingerprint="ab" * 32)
     path = cache.local(*site.item(0))
     assert Path(path).read_bytes() == site.data[0]
+    assert cache.directory == dataset_dir(tmp_path / "cache", "ab" * 32) == tmp_path / "cache" / ("ab" * 8)
     assert os.stat(cache.directory).st_mode & 0o777 == 0o700
     before = site.server.requests
     with cache.open(*site.item(0)) as f:

@@ -63,9 +63,10 @@ class ShardCache:
     """Local copies of whole shards, shared by every process on the machine that uses ``directory``.
 
     Args:
-        directory: this dataset's cache directory (see ``dataset_dir``); made 0700 if missing.
-        limit: bytes the directory may hold, counted across all processes (downloads in flight included);
-            None: no bound.
+        directory: this dataset's cache directory (made 0700): ``for_dataset`` makes it
+            ``<cache_dir>/<fingerprint[:16]>``.
+        limit: bytes the directory may hold, counted across all processes (downloads in flight
+            included); None: no bound.
         storage_options: passed to fsspec for remote shards (s3fs: ``{"client_kwargs": {"endpoint_url": ...}}``).
         retries: further attempts after a failed, truncated or corrupt download, with exponential backoff.
         timeout: seconds a connection may send nothing before the attempt fails (a read timeout, so a large
@@ -76,13 +77,12 @@ class ShardCache:
 
     ``next_use(k) -> float`` is the caller's estimate of when shard ``k`` is next needed, as a position in its
     known order (``math.inf``: not needed again); an entry whose ``next_use`` is below ``protect`` (by default 0,
-    so a negative value means "in use") is never evicted.
+    so a negative value means "in use") is never evicted. Each process evicts by its own ``next_use``.
     """
 
-    def __init__(self, directory, limit: int | None, *, storage_options: dict | None = None, retries: int = 3,
-                 timeout: float = 60.0, policy: str = "farthest", threads: int = 4,
-                 wait_s: float = 60.0) -> None:  # fmt: skip
-        if limit is not None and (not isinstance(limit, int) or limit < 0):
+    def __init__(self, directory, limit: int | None, *, storage_options: dict | None = None, retries: int = 3, timeout: float = 60.0,
+                 policy: str = "farthest", threads: int = 4, wait_s: float = 60.0) -> None:  # fmt: skip
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
             raise ValueError(f"cache_bytes must be an int >= 0 (bytes the cache may hold) or None, got {limit!r}")
         if not isinstance(retries, int) or retries < 0:
             raise ValueError(f"retries must be an int >= 0 (further attempts after a failure), got {retries!r}")
@@ -248,7 +248,7 @@ class ShardCache:
 
         Only one process on the machine downloads a shard; the others wait for it and use its copy. Another
         process may evict the entry once this returns, unless the caller's ``next_use(k)`` is below ``protect``
-        in that process too: to read it, prefer ``open()``, whose descriptor outlives an eviction.
+        in that process too: to read it, prefer ``fd()``/``open()``, whose descriptor outlives an eviction.
 
         Args:
             k: the shard's number in the index.
@@ -265,12 +265,17 @@ class ShardCache:
         path, fd = self._get(k, url, size, crc, next_use, protect, want_fd=False)
         return path
 
+    def fd(self, k: int, url: str, size: int | None, crc: int | None, next_use: NextUse | None = None,
+           protect: float = 0.0) -> int:
+        """As ``local()``, but a read-only descriptor of the copy (the caller closes it): reads through it stay
+        whole even if the entry is evicted meanwhile, since it is opened before any process can evict it."""
+        path, fd = self._get(k, url, size, crc, next_use, protect, want_fd=True)
+        return fd
+
     def open(self, k: int, url: str, size: int | None, crc: int | None, next_use: NextUse | None = None,
              protect: float = 0.0):
-        """As ``local()``, but a binary file open on the copy: reads from it stay whole even if the entry is
-        evicted meanwhile (the descriptor is taken before any other process can evict it)."""
-        path, fd = self._get(k, url, size, crc, next_use, protect, want_fd=True)
-        return os.fdopen(fd, "rb")
+        """``fd()`` as a binary file object."""
+        return os.fdopen(self.fd(k, url, size, crc, next_use, protect), "rb")
 
     def predownload(self, items: Iterable[tuple[int, str, int | None, int | None]], next_use: NextUse | None = None,
                     protect: float = 0.0) -> None:  # fmt: skip
