@@ -299,8 +299,8 @@ class ShardCache:
             self._cv.notify_all()
 
     def stats(self) -> dict:
-        """Machine-wide counters since the last ``reset_stats()``: ``downloaded_bytes`` (every byte received,
-        failed attempts included), ``downloads`` (shards fetched whole), ``hits`` (requests served by an entry,
+        """Machine-wide counters since the last ``reset_stats()``: ``downloaded_bytes`` (bytes written by every
+        attempt, failed ones included), ``downloads`` (shards fetched whole), ``hits`` (requests served by an entry,
         one another process downloaded included), ``evictions``; and ``used_bytes`` (entries plus downloads in
         flight now), ``peak_bytes`` (the most ``used_bytes`` has been), ``limit``."""
         self._process()
