@@ -252,6 +252,14 @@ def test_a_damaged_local_shard_raises_naming_it_and_the_sample_and_yields_nothin
     assert paths[1] in str(caught.value) and caught.value.key in str(caught.value)
 
 
+def test_len_of_a_fastfeed_loader_is_known_before_iter(shard_dir):
+    """fastfeed.DataLoader tells Shards its batch size when made: len() of both works before the first iter()."""
+    ds = shards(shard_dir, rank=1, world_size=2)
+    dl = DataLoader(ds, batch_size=4, num_workers=2)
+    assert len(dl) == 9 and len(ds) == 36
+    assert len(list(b.clone() for b in dl)) == 9
+
+
 def test_batch_size_and_rank_must_make_sense(shard_dir):
     """Bad batch_size, shuffle_window or rank values raise, naming the argument."""
     with pytest.raises(ValueError, match="batch_size"):

@@ -47,19 +47,21 @@ def epoch_of(ds, batch_size=4, **loader_kw) -> list[int]:
     return _shards.flat(DataLoader(ds, batch_size=batch_size, **loader_kw))
 
 
-def test_http_shards_give_the_local_samples_downloading_each_shard_once(shard_dir, server, tmp_path):
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_http_shards_give_the_local_samples_downloading_each_shard_once(shard_dir, server, tmp_path, worker_type):
     """Over HTTP (a brace pattern, the index fetched from beside the shards) with 2 workers: the local run's
     samples in its order, and each shard downloaded once for the machine; a second epoch downloads nothing."""
     local = epoch_of(Shards(shard_dir, decode=_shards.as_tensor, shuffle=True, seed=2, shuffle_window=2))
     ds = Shards(pattern(server), decode=_shards.as_tensor, shuffle=True, seed=2, shuffle_window=2,
                 cache_dir=tmp_path)  # fmt: skip
-    assert epoch_of(ds, num_workers=2) == local
+    assert epoch_of(ds, num_workers=2, worker_type=worker_type) == local
     stats = ds.cache_stats()
     assert stats["downloads"] == len(_shards.UNEQUAL) and stats["hits"] >= 0
     sizes = sum(os.path.getsize(os.path.join(shard_dir, f)) for f in os.listdir(shard_dir) if f.endswith(".tar"))
     assert stats["downloaded_bytes"] == sizes
-    assert epoch_of(ds, num_workers=2) == local
+    assert epoch_of(ds, num_workers=2, worker_type=worker_type) == local
     assert ds.cache_stats()["downloads"] == len(_shards.UNEQUAL)
+    ds.cache.close()
 
 
 def test_a_shard_that_fails_twice_is_retried_and_read_whole(shard_dir, server, tmp_path):

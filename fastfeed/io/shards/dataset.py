@@ -170,14 +170,17 @@ class Shards(IterableDataset):
 
     # -- the loader's side (fastfeed.DataLoader calls these; torch's does not need them) --------------------
 
-    def _ff_loader_setup(self, *, batch_size: int | None, drop_last: bool, num_workers: int) -> None:
-        """Called by fastfeed.DataLoader at each ``iter()``, in the main process, before workers get the dataset."""
+    def _ff_loader_setup(self, *, batch_size: int | None, drop_last: bool, num_workers: int,
+                         epoch_starts: bool) -> None:  # fmt: skip
+        """Called by fastfeed.DataLoader in the main process when it is made (so ``len()`` works at once) and at
+        each ``iter()`` (``epoch_starts``), before workers get the dataset."""
         if batch_size is not None and self.batch_size is not None and batch_size != self.batch_size:
             raise ValueError(_mismatch(self.batch_size, batch_size))
         self._loader_batch = batch_size
         self._loader_drop_last = bool(drop_last)
         self._frozen = topology.ranks(self._rank, self._world, self._frozen)
-        self._begin()
+        if epoch_starts:
+            self._begin()
 
     def _ff_position(self, yielded: int | None) -> dict:
         """The rank's position after the user received ``yielded`` batches of this epoch (None: between epochs)."""
