@@ -270,6 +270,27 @@ def test_batch_size_and_rank_must_make_sense(shard_dir):
         Shards(shard_dir, rank=3, world_size=2)
     with pytest.raises(TypeError, match="batch size"):
         len(Shards(shard_dir))
+    with pytest.raises(TypeError, match="decode must be callable"):
+        Shards(shard_dir, decode="jpg")
+
+
+def test_the_default_cache_directory_must_be_this_users_own(monkeypatch, tmp_path):
+    """The default cache directory under the temp directory is made 0700, and one that is not private (another
+    owner, a link, open to others) is refused, naming it."""
+    import tempfile
+
+    from fastfeed.io.shards import dataset
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    path = dataset._default_cache_dir()
+    assert os.stat(path).st_mode & 0o777 == 0o700
+    os.chmod(path, 0o755)
+    with pytest.raises(PermissionError, match="not a private directory"):
+        dataset._default_cache_dir()
+    os.rmdir(path)
+    os.symlink(tmp_path, path)
+    with pytest.raises(PermissionError, match=path):
+        dataset._default_cache_dir()
 
 
 # -- torchrun, gloo ------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ place. A sample is read from its shard by the byte range the index gives and par
 from __future__ import annotations
 
 import os
+import stat
 import sys
 import tempfile
 import warnings
@@ -75,6 +76,9 @@ class Shards(IterableDataset):
             raise ValueError("fastfeed.io.Shards: batch_size must be at least 1")
         if not isinstance(shuffle_window, int) or shuffle_window < 1:
             raise ValueError(f"fastfeed.io.Shards: shuffle_window must be an int >= 1 (shards), got {shuffle_window!r}")
+        if decode is not None and not callable(decode):
+            raise TypeError(f"fastfeed.io.Shards: decode must be callable (a sample dict -> what to collate) or None, "
+                            f"got {type(decode).__name__}")  # fmt: skip
         self.decode = decode
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
@@ -455,7 +459,18 @@ def _beside(urls: list[str]) -> str | None:
 
 
 def _default_cache_dir() -> str:
-    return os.path.join(tempfile.gettempdir(), f"fastfeed-shards-{os.getuid()}")
+    """This user's directory in the shared temp directory: made 0700, and refused if someone else made it (or
+    made it a link), since its entries are read back as shards."""
+    path = os.path.join(tempfile.gettempdir(), f"fastfeed-shards-{os.getuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"fastfeed.io.Shards: {path} is not a private directory of this user (owner uid "
+                              f"{st.st_uid}, mode {stat.filemode(st.st_mode)}); pass cache_dir= to use another")
+    return path
 
 
 def _loader_batch_size(frame) -> int | None:
