@@ -116,6 +116,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             self._read_direct()
         if auto is not None:
             tuning_auto.start(self, auto)
+        _set_up_dataset(self, epoch_starts=False)
         _hooks.loader_made(self)  # fastfeed.accelerate's watcher, among others, registers there
 
     def _read_direct(self) -> None:
@@ -210,7 +211,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             self._ff_tuner = tuner = None  # settled, and every rank agrees
         # The last epoch's iterator goes first (unless the caller holds it): its workers and ring are free then.
         self._ff_kept = None
-        _set_up_dataset(self)
+        _set_up_dataset(self, epoch_starts=True)
         # While tuning, each epoch is a TuningIter: torch's persistent-workers path would keep it.
         it = self._get_iterator() if tuner is not None else super().__iter__()
         self._ff_epochs += 1
@@ -269,6 +270,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
               "sampler_state": object, # a stateful sampler's state_dict() after batch k (else None)
               "base_seed": int,       # the epoch iterator's worker base seed
               "dataset": object,      # a stateful dataset's state_dict() (num_workers=0, worker threads)
+              "shards": object,       # a fastfeed.io.Shards dataset's position (its own format), else absent
               "dataset_iter": object, # ... and the iterator's, where iter(dataset) is stateful (num_workers=0)
               "num_workers": int,
               "asked": int,           # indices asked of the sampler this epoch (some for tasks in flight)
@@ -408,12 +410,14 @@ def _positions_in_order(dataset) -> bool:
     return callable(getattr(dataset, "_ff_position", None))
 
 
-def _set_up_dataset(loader) -> None:
-    """Tell a dataset that asks (``fastfeed.io.Shards``) the loader's batch size, ``drop_last`` and workers, before
-    its workers get it: torch's loader gives an IterableDataset no way to know them."""
+def _set_up_dataset(loader, epoch_starts: bool) -> None:
+    """Tell a dataset that asks (``fastfeed.io.Shards``) the loader's batch size, ``drop_last`` and workers, when
+    the loader is made and before each epoch's workers get it: torch's loader gives an IterableDataset no way to
+    know them."""
     setup = getattr(loader.dataset, "_ff_loader_setup", None)
     if callable(setup):
-        setup(batch_size=loader.batch_size, drop_last=loader.drop_last, num_workers=loader.num_workers)
+        setup(batch_size=loader.batch_size, drop_last=loader.drop_last, num_workers=loader.num_workers,
+              epoch_starts=epoch_starts)
 
 
 def _restores(state: dict) -> bool:

@@ -44,7 +44,7 @@ def as_tensor(sample):
 
 
 def flat(batches) -> list[int]:
-    return [int(x) for b in batches for x in (b.tolist() if hasattr(b, "tolist") else b)]
+    return [int(x) for b in batches for x in (b.tolist() if hasattr(b, "tolist") else b if isinstance(b, list) else [b])]
 
 
 def interleave(per_rank: list[list[list[int]]]) -> list[int]:

@@ -252,6 +252,14 @@ def test_a_damaged_local_shard_raises_naming_it_and_the_sample_and_yields_nothin
     assert paths[1] in str(caught.value) and caught.value.key in str(caught.value)
 
 
+def test_len_of_a_fastfeed_loader_is_known_before_iter(shard_dir):
+    """fastfeed.DataLoader tells Shards its batch size when made: len() of both works before the first iter()."""
+    ds = shards(shard_dir, rank=1, world_size=2)
+    dl = DataLoader(ds, batch_size=4, num_workers=2)
+    assert len(dl) == 9 and len(ds) == 36
+    assert len(list(b.clone() for b in dl)) == 9
+
+
 def test_batch_size_and_rank_must_make_sense(shard_dir):
     """Bad batch_size, shuffle_window or rank values raise, naming the argument."""
     with pytest.raises(ValueError, match="batch_size"):
@@ -262,6 +270,27 @@ def test_batch_size_and_rank_must_make_sense(shard_dir):
         Shards(shard_dir, rank=3, world_size=2)
     with pytest.raises(TypeError, match="batch size"):
         len(Shards(shard_dir))
+    with pytest.raises(TypeError, match="decode must be callable"):
+        Shards(shard_dir, decode="jpg")
+
+
+def test_the_default_cache_directory_must_be_this_users_own(monkeypatch, tmp_path):
+    """The default cache directory under the temp directory is made 0700, and one that is not private (another
+    owner, a link, open to others) is refused, naming it."""
+    import tempfile
+
+    from fastfeed.io.shards import dataset
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    path = dataset._default_cache_dir()
+    assert os.stat(path).st_mode & 0o777 == 0o700
+    os.chmod(path, 0o755)
+    with pytest.raises(PermissionError, match="not a private directory"):
+        dataset._default_cache_dir()
+    os.rmdir(path)
+    os.symlink(tmp_path, path)
+    with pytest.raises(PermissionError, match=path):
+        dataset._default_cache_dir()
 
 
 # -- torchrun, gloo ------------------------------------------------------------------------------------------

@@ -14,12 +14,13 @@ place. A sample is read from its shard by the byte range the index gives and par
 from __future__ import annotations
 
 import os
+import stat
 import sys
 import tempfile
 import warnings
 from collections import OrderedDict
 
-from torch.utils.data import IterableDataset
+from torch.utils.data import IterableDataset, get_worker_info
 
 from .. import remote
 from . import order, topology
@@ -55,13 +56,16 @@ class Shards(IterableDataset):
         storage_options: passed to fsspec (s3fs's ``key``, ``secret``, ``client_kwargs={"endpoint_url": ...}``).
         rank, world_size: this process's place; None: torch.distributed's, else torchrun's RANK and WORLD_SIZE.
         retries: attempts for a failed or short download before ``ShardError``.
+        timeout: seconds a download may receive nothing before the attempt fails.
+        cache_policy: ``"farthest"`` evicts the shard needed farthest ahead; ``"lru"`` the least recently used
+            (for comparison: with data larger than the cache it downloads everything every epoch).
     """
 
     def __init__(self, source, *, decode=None, shuffle: bool = False, seed: int = 0, batch_size: int | None = None,
                  cache_dir=None, cache_bytes: int | None = None, predownload: int | None = None,
                  shuffle_window: int = DEFAULT_WINDOW, drop_last: bool = False, index=None,
                  storage_options: dict | None = None, rank: int | None = None, world_size: int | None = None,
-                 retries: int = 3, timeout: float = 60.0) -> None:  # fmt: skip
+                 retries: int = 3, timeout: float = 60.0, cache_policy: str = "farthest") -> None:  # fmt: skip
         from .index import ShardIndex
         from .sources import resolve
 
@@ -72,6 +76,9 @@ class Shards(IterableDataset):
             raise ValueError("fastfeed.io.Shards: batch_size must be at least 1")
         if not isinstance(shuffle_window, int) or shuffle_window < 1:
             raise ValueError(f"fastfeed.io.Shards: shuffle_window must be an int >= 1 (shards), got {shuffle_window!r}")
+        if decode is not None and not callable(decode):
+            raise TypeError(f"fastfeed.io.Shards: decode must be callable (a sample dict -> what to collate) or None, "
+                            f"got {type(decode).__name__}")  # fmt: skip
         self.decode = decode
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
@@ -104,8 +111,9 @@ class Shards(IterableDataset):
                     f"or predownload."
                 )
             directory = cache_dir if cache_dir is not None else _default_cache_dir()
-            self.cache = ShardCache(directory, self.index.fingerprint, cache_bytes,
-                                    storage_options=self.storage_options, retries=retries, timeout=timeout)
+            self.cache = ShardCache.for_dataset(directory, self.index.fingerprint, cache_bytes,
+                                                storage_options=self.storage_options, retries=retries,
+                                                timeout=timeout, policy=cache_policy)  # fmt: skip
         # Loader set-up and resume (see _ff_loader_setup, load_state_dict).
         self._loader_batch = None  # the batch size fastfeed.DataLoader told
         self._loader_drop_last = False
@@ -166,14 +174,17 @@ class Shards(IterableDataset):
 
     # -- the loader's side (fastfeed.DataLoader calls these; torch's does not need them) --------------------
 
-    def _ff_loader_setup(self, *, batch_size: int | None, drop_last: bool, num_workers: int) -> None:
-        """Called by fastfeed.DataLoader at each ``iter()``, in the main process, before workers get the dataset."""
+    def _ff_loader_setup(self, *, batch_size: int | None, drop_last: bool, num_workers: int,
+                         epoch_starts: bool) -> None:  # fmt: skip
+        """Called by fastfeed.DataLoader in the main process when it is made (so ``len()`` works at once) and at
+        each ``iter()`` (``epoch_starts``), before workers get the dataset."""
         if batch_size is not None and self.batch_size is not None and batch_size != self.batch_size:
             raise ValueError(_mismatch(self.batch_size, batch_size))
         self._loader_batch = batch_size
         self._loader_drop_last = bool(drop_last)
         self._frozen = topology.ranks(self._rank, self._world, self._frozen)
-        self._begin()
+        if epoch_starts:
+            self._begin()
 
     def _ff_position(self, yielded: int | None) -> dict:
         """The rank's position after the user received ``yielded`` batches of this epoch (None: between epochs)."""
@@ -235,6 +246,8 @@ class Shards(IterableDataset):
                 within = 0
         finally:
             reader.close()
+            if self.cache is not None and get_worker_info() is None:
+                self.cache.close()  # the main process's downloads and connections: remade if another epoch comes
         if self._start is start:  # the epoch is done: its next iteration starts it afresh
             self._start = None
 
@@ -315,8 +328,9 @@ class _Reader:
         self.position = 0
         self.window = -1
         self.next_epoch = None
-        # Positions the predownload reaches ahead: its shards are about to be read, so they are not evicted either.
-        self.ahead = ds.predownload * self.index.n_samples // max(self.index.n_shards, 1)
+        # The loader's workers make batches w, w+n, ...: one may be a round of batches behind this one, still
+        # reading the window this one just left. More protection would shrink the room eviction chooses from.
+        self.margin = split.global_batch * topology.worker()[1]
 
     def at(self, position: int) -> None:
         """The iteration reaches ``position``: start downloading what the window after this one needs."""
@@ -344,13 +358,12 @@ class _Reader:
         return (int(k), self.index.urls[k], int(self.index.sizes[k]), int(self.index.crcs[k]))
 
     def next_use(self, k: int) -> float:
-        """When shard k is next needed, in positions from this epoch's start: -1 while it is read (or about to be,
-        or just was by a worker a few batches behind); the next epoch's use (assumed ``epoch + 1``) once done."""
+        """When shard k is next needed, in positions from this epoch's start: -1 while it is read (or was, a round
+        of batches ago: another worker may be that far behind); the next epoch's use (assumed ``epoch + 1``) once
+        done. Shards about to be read have the smallest values, so farthest-next-use eviction keeps them."""
         first, end = self.epoch.span(k)
-        # Workers a few batches apart share the machine's cache: one just past a window may still be behind.
-        margin = 8 * self.split.global_batch
         p = self.position % max(self.index.n_samples, 1)
-        if first - self.ahead <= p < end + margin:
+        if first <= p < end + self.margin:
             return -1.0
         if first > p:
             return float(first)
@@ -364,14 +377,14 @@ class _Reader:
             self.files.move_to_end(k)
             return fd
         url = self.index.urls[k]
-        if self.ds.cache is not None:
-            path = self.ds.cache.local(*self._item(k), self.next_use)
+        if self.ds.cache is not None:  # opened by the cache: reads from it stay whole if another process evicts it
+            fd = self.ds.cache.fd(*self._item(k), self.next_use)
         else:
             path = url[len("file://"):] if url.startswith("file://") else url
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as e:
-            raise ShardError(url, f"cannot open {path}: {e.strerror}") from e
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as e:
+                raise ShardError(url, f"cannot open {path}: {e.strerror}") from e
         self.files[k] = fd
         while len(self.files) > self.keep:
             os.close(self.files.popitem(last=False)[1])
@@ -446,7 +459,18 @@ def _beside(urls: list[str]) -> str | None:
 
 
 def _default_cache_dir() -> str:
-    return os.path.join(tempfile.gettempdir(), f"fastfeed-shards-{os.getuid()}")
+    """This user's directory in the shared temp directory: made 0700, and refused if someone else made it (or
+    made it a link), since its entries are read back as shards."""
+    path = os.path.join(tempfile.gettempdir(), f"fastfeed-shards-{os.getuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"fastfeed.io.Shards: {path} is not a private directory of this user (owner uid "
+                              f"{st.st_uid}, mode {stat.filemode(st.st_mode)}); pass cache_dir= to use another")
+    return path
 
 
 def _loader_batch_size(frame) -> int | None:

@@ -81,7 +81,9 @@ def filesystem(url: str, storage_options: dict | None = None):
         import fsspec.core
     except ImportError:
         raise ImportError(f"fastfeed shards: {url} needs fsspec: {HINT}") from None
-    return fsspec.core.url_to_fs(url, **(storage_options or {}))
+    # A filesystem of our own, never fsspec's shared instance: it closes its connections once dropped, and a
+    # forked worker never inherits one whose event loop and connections are its parent's.
+    return fsspec.core.url_to_fs(url, skip_instance_cache=True, **(storage_options or {}))
 
 
 def _resolve_url(source: str, storage_options: dict | None) -> list[str]:

@@ -1,0 +1,128 @@
+"""Copying one whole shard from where it lives (a local path or any fsspec URL) into an open local file.
+
+A shard is large (often hundreds of MB), so it streams in chunks, never whole in memory, and its CRC-32 is computed
+as the bytes pass. A request that stops sending ends by a *read* timeout (no byte for ``timeout`` s), never by a
+total one, which would cut a large download that is merely slow.
+
+As in ``fastfeed.io.remote``, each process makes its own filesystem objects (``skip_instance_cache``): a forked
+worker must not use its parent's event loop or connection pool.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import zlib
+
+from ..remote import HINT, is_url, protocol
+
+CHUNK = 1 << 20  # bytes per read: large enough that a chunk's cost is the network's, not Python's
+
+
+class Cancelled(Exception):
+    """The cache closed while this download ran."""
+
+
+class Fetcher:
+    """Streams shards to local files; ``storage_options`` go to fsspec (s3fs: ``client_kwargs={"endpoint_url": ...}``);
+    ``timeout``: seconds a connection may stay silent before the request fails."""
+
+    def __init__(self, storage_options: dict | None, timeout: float) -> None:
+        self.storage_options = dict(storage_options or {})
+        self.timeout = timeout
+        self._pid = None
+        self._fs: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        return {"storage_options": self.storage_options, "timeout": self.timeout}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["storage_options"], state["timeout"])
+
+    def fs(self, url: str):
+        """This process's filesystem for ``url``'s protocol."""
+        if self._pid != os.getpid():  # a forked child: its parent's filesystems (and lock) are not its own
+            self._pid, self._fs, self._lock = os.getpid(), {}, threading.Lock()
+        proto = protocol(url)
+        with self._lock:
+            fs = self._fs.get(proto)
+            if fs is None:
+                try:
+                    import fsspec
+                except ImportError:
+                    raise ImportError(f"fastfeed.io.Shards: reading {url} needs fsspec: {HINT}") from None
+                fs = self._fs[proto] = fsspec.filesystem(proto, skip_instance_cache=True, **self._options(proto))
+        return fs
+
+    def _options(self, proto: str) -> dict:
+        options = dict(self.storage_options)
+        if proto in ("http", "https"):
+            import aiohttp
+
+            client = dict(options.get("client_kwargs") or {})
+            client.setdefault("timeout", aiohttp.ClientTimeout(total=None, sock_connect=self.timeout,
+                                                               sock_read=self.timeout))  # fmt: skip
+            options["client_kwargs"] = client
+        elif proto in ("s3", "s3a"):
+            config = dict(options.get("config_kwargs") or {})
+            config.setdefault("connect_timeout", self.timeout)
+            config.setdefault("read_timeout", self.timeout)
+            options["config_kwargs"] = config
+        return options
+
+    def size(self, url: str) -> int:
+        """The shard's size in bytes, asked of its store (FileNotFoundError when it is missing)."""
+        if not is_url(url):
+            return os.stat(url.removeprefix("file://")).st_size
+        return int(self.fs(url).info(url)["size"])
+
+    def copy(self, url: str, fd: int, size: int | None, stop: threading.Event | None = None) -> tuple[int, int]:
+        """Write the shard's bytes to ``fd`` from its current position; returns (bytes, CRC-32).
+
+        Raises FileNotFoundError for a missing shard, ``Cancelled`` once ``stop`` is set, and whatever the store
+        raises for a failed request (a 5xx, a reset, a read timeout, a body shorter than announced).
+        """
+        nbytes, crc = 0, 0
+        with self._open(url, size) as f:
+            while True:
+                if stop is not None and stop.is_set():
+                    raise Cancelled(url)
+                chunk = f.read(CHUNK)
+                if not chunk:
+                    return nbytes, crc
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view):]
+                nbytes += len(chunk)
+                crc = zlib.crc32(chunk, crc)
+
+    def _open(self, url: str, size: int | None):
+        if not is_url(url):
+            return open(url.removeprefix("file://"), "rb", buffering=0)
+        fs = self.fs(url)
+        if protocol(url) in ("http", "https"):
+            # block_size=0: one streamed GET (not a ranged request per block); a known size spares the HEAD.
+            return fs.open(url, "rb", block_size=0, size=size)
+        return fs.open(url, "rb", block_size=CHUNK, cache_type="none", **({"size": size} if size else {}))
+
+    def close(self) -> None:
+        """Close this process's connection pools (the filesystems are made anew on next use)."""
+        if self._pid != os.getpid():
+            return
+        with self._lock:
+            made, self._fs = self._fs, {}
+        for fs in made.values():
+            _close(fs)
+
+
+def _close(fs) -> None:
+    loop = getattr(fs, "loop", None)
+    session = getattr(fs, "_session", None)
+    if session is not None and hasattr(fs, "close_session"):  # fsspec's HTTP filesystem
+        fs.close_session(loop, session)
+        fs._session = None
+    creator = getattr(fs, "_s3creator", None)
+    if getattr(fs, "_s3", None) is not None and creator is not None:  # s3fs: its client's context closes its pool
+        fs.close_session(loop, creator)
+        fs._s3 = fs._s3creator = None
