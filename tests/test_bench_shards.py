@@ -151,14 +151,15 @@ def test_markdown_and_rows_of_a_shards_result():
                          "ttfb": {"median": 1.0, "min": 1.0, "max": 1.0}}}  # fmt: skip
     res = {"workload": "shards", "http": {"loaders": loaders, "vs": vs},
            "resume": {"fastfeed": {"start_ttfb_s": 0.1, "resume_ttfb_s": 0.12,
-                                   "ratio": {"median": 1.2, "min": 1.1, "max": 1.3}}, "webdataset": "no resume"},
+                                   "ratio": {"median": 1.2, "min": 1.1, "max": 1.3}, "exact": True},
+                      "webdataset": "no resume"},
            "cache": {"data_bytes": 200e6, "cache_bytes": 100e6, "ideal_bytes": 100e6,
                      "fastfeed": {"epoch2_bytes": 105e6}, "lru": {"epoch2_bytes": 200e6, "how": "simulated"}}}
     rep = {"workloads": {"shards": {"kind": "shards", "result": res}}}
     text = report.markdown(rep)
     assert "| http | webdataset | 1,000 (100 MB/s) | **3.00x** (2.50-3.50) | 100 ms | 1.00x (1.00-1.00) |" in text
-    assert "| fastfeed.io.Shards | 100 ms | 120 ms | **1.20x** (1.10-1.30) |" in text
-    assert "| webdataset | - | no resume | - |" in text
+    assert "| fastfeed.io.Shards | 100 ms | 120 ms | **1.20x** (1.10-1.30) | yes |" in text
+    assert "| webdataset | - | no resume | - | - |" in text
     assert "| LRU: simulated | 200 MB | **2.00x** |" in text and "| 105 MB | **1.05x** |" in text
     rows = {(r["key"], r["figure"]): r["median"] for r in report.figure_rows(rep)}
     assert rows[("http fastfeed/webdataset", "throughput")] == 3.0

@@ -286,14 +286,15 @@ def shards_markdown(res: dict) -> str:
                          f"{fmt(figs['ttfb_s'] * 1e3)} ms | {_ratio(vs.get('ttfb'))} |")
     resume = res.get("resume")
     if resume:
-        lines += ["", "| loader (http) | first batch, epoch start | first batch, resumed at 50% | resumed / start |",
-                  "|---|---|---|---|"]
+        lines += ["", "| loader (http) | first batch, epoch start | first batch, resumed at 50% | resumed / start | "
+                  "resumed batch = the stopped run's next |", "|---|---|---|---|---|"]  # fmt: skip
         for loader, figs in resume.items():
             if isinstance(figs, dict):
+                same = {True: "yes", False: "no"}.get(figs.get("exact"), "-")
                 lines.append(f"| {SHARD_LOADERS[loader]} | {fmt(figs['start_ttfb_s'] * 1e3)} ms | "
-                             f"{fmt(figs['resume_ttfb_s'] * 1e3)} ms | {_ratio(figs['ratio'], bold=True)} |")
+                             f"{fmt(figs['resume_ttfb_s'] * 1e3)} ms | {_ratio(figs['ratio'], bold=True)} | {same} |")
             else:
-                lines.append(f"| {SHARD_LOADERS[loader]} | - | {figs} | - |")
+                lines.append(f"| {SHARD_LOADERS[loader]} | - | {figs} | - | - |")
     cache = res.get("cache")
     if cache:
         lines += ["", f"| epoch 2's downloads (http), data 2x the cache | downloaded | / (data - cache) |",
