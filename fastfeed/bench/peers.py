@@ -40,12 +40,21 @@ def _found(module: str) -> bool:
 
 
 def missing(peer: str) -> str | None:
-    """None when ``peer`` (``"webdataset"`` or ``"mosaic"``) can run here; else what is missing and its ``pip``."""
+    """None when ``peer`` (``"webdataset"`` or ``"mosaic"``) can run here; else what is missing and its ``pip``.
+
+    Mosaic is imported to know (a few seconds: it imports transformers): an install whose dependencies do not
+    import (Pillow, say) is as absent as none.
+    """
     module = {"webdataset": "webdataset", "mosaic": "streaming"}[peer]
-    if _found(module):
-        return None
     package = "webdataset" if peer == "webdataset" else "mosaicml-streaming"
-    return f"needs {package}, which is not installed: {PIP[peer]}"
+    if not _found(module):
+        return f"needs {package}, which is not installed: {PIP[peer]}"
+    if peer == "mosaic":
+        try:
+            import_streaming()
+        except Exception as e:  # any failure of its import chain
+            return f"needs {package}, which does not import here ({type(e).__name__}: {e}): {PIP[peer]}"
+    return None
 
 
 # --- webdataset ---------------------------------------------------------------------------------------------------

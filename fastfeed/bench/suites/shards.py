@@ -513,7 +513,7 @@ def main(argv=None) -> dict:
     parts = list(args.parts)
     why = extras.missing(extras.HTTP)
     if why and set(parts) & {"http", "resume", "cache"}:
-        say(f"# shards http, resume and cache: skipped, they {why}")
+        say(f"# shards http, resume, cache: skipped, each {why}")
         parts = [x for x in parts if x == "local"]
     result: dict[str, Any] = {"workload": "shards", "skipped": skipped}
     if "mosaic" in loaders:
