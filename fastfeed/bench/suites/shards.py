@@ -119,14 +119,17 @@ def _serve(root: str, latency: float, jitter: float, conn) -> None:
     class Counting(FileServer):
         """Counts the bytes of GET bodies sent, by the first directory of the path (tar/, bench/)."""
 
-        sent: collections.Counter = collections.Counter()
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.sent: collections.Counter = collections.Counter()
 
         async def _serve_file(self, request, relpath, truncate):
             response = await super()._serve_file(request, relpath, truncate)
             if relpath.startswith(BUCKET + "/"):
                 # Mosaic downloads index.json in the main process and its forked workers inherit that boto3
-                # client, keep-alive socket and all: two workers then share one socket and now and then one waits
-                # for boto3's 60 s read timeout. Closing each S3 answer's connection costs a connect on 127.0.0.1.
+                # client, keep-alive socket and all: two workers then share one socket, and one reads the other's
+                # answer (a shard file of wrong bytes: Mosaic's IndexError "not present in the shard") or waits for
+                # boto3's 60 s read timeout. Closing each S3 answer's connection costs a connect on 127.0.0.1.
                 response.force_close()
             if request.method == "GET" and response.status in (200, 206):
                 self.sent[relpath.split("/", 1)[0]] += int(response.headers.get("Content-Length", 0))
