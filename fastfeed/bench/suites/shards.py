@@ -15,7 +15,8 @@ and the cls int), every trial a fresh dataset and loader (and an empty cache whe
   webdataset  WebDataset(shardshuffle=<shards>).shuffle(1000).map(decode).batched(32) (batching in the workers)
               through torch's DataLoader(batch_size=None);
   mosaic      StreamingDataset (shuffle, py1e) decoding in __getitem__, through its StreamingDataLoader.
-Interleaved rounds (the order rotates by one each round); medians over rounds, ratios fastfeed / peer per round.
+Interleaved rounds after one untimed epoch of each loader (the order rotates by one each round); medians over
+rounds, ratios fastfeed / peer per round.
 Figures:
   - throughput: samples/s over a whole epoch, from building the dataset to the last batch;
   - time to first batch, from building the dataset;
@@ -436,8 +437,16 @@ def _stats(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def storage_part(sides: Sides, loaders: list[str], rounds: int, say: Callable = print) -> dict:
-    """Interleaved epochs of every loader over one storage; medians and fastfeed / peer ratios per round."""
+def storage_part(sides: Sides, loaders: list[str], rounds: int, say: Callable = print, prime: bool = True) -> dict:
+    """Interleaved epochs of every loader over one storage; medians and fastfeed / peer ratios per round.
+
+    ``prime``: one untimed epoch of each loader first, as the runner's comparisons have (the first trial of a run
+    paid its one-time costs: fastfeed's first HTTP epoch ran at less than half the speed of the next ones).
+    """
+    primed = {name: epoch_trial(sides, name, seed=99) for name in (loaders if prime else [])}
+    for name, rec in primed.items():
+        say(f"  shards {sides.storage} untimed: {name:10} {rec['samples_per_s']:8.0f} samples/s, first batch "
+            f"{rec['ttfb_s'] * 1e3:6.0f} ms")
     runs: dict[str, list[dict]] = {n: [] for n in loaders}
     for r in range(rounds):
         order = loaders[r % len(loaders):] + loaders[:r % len(loaders)]
@@ -447,7 +456,7 @@ def storage_part(sides: Sides, loaders: list[str], rounds: int, say: Callable = 
             say(f"  shards {sides.storage} round {r + 1}: {name:10} {rec['samples_per_s']:8.0f} samples/s, first "
                 f"batch {rec['ttfb_s'] * 1e3:6.0f} ms")
     mean_bytes = sides.data["bytes"] / sides.data["samples"]
-    out: dict[str, Any] = {"loaders": {}, "vs": {}}
+    out: dict[str, Any] = {"loaders": {}, "vs": {}, "primed": primed}
     for name, recs in runs.items():
         tput = statistics.median(x["samples_per_s"] for x in recs)
         out["loaders"][name] = {"samples_per_s": tput, "mb_per_s": tput * mean_bytes / 1e6,
@@ -557,7 +566,7 @@ def main(argv=None) -> dict:
                         sides = Sides(data, "http", scratch, server)
                         if "http" in parts:
                             say(f"(a) http: {args.latency_ms} +- {args.jitter_ms} ms per request")
-                            result["http"] = storage_part(sides, loaders, args.rounds, say)
+                            result["http"] = storage_part(sides, loaders, args.rounds, say, prime=not args.quick)
                         if "resume" in parts:
                             say("(resume) http: at 50% of an epoch, against the epoch start")
                             result["resume"] = resume_part(sides, loaders, args.rounds, say)
@@ -568,7 +577,8 @@ def main(argv=None) -> dict:
                     server.close()
             if "local" in parts:
                 say("(b) local: page cache dropped before each epoch")
-                result["local"] = storage_part(Sides(data, "local", scratch, None), loaders, args.rounds, say)
+                result["local"] = storage_part(Sides(data, "local", scratch, None), loaders, args.rounds, say,
+                                               prime=not args.quick)
         finally:
             if "mosaic" in loaders:
                 gc.collect()
