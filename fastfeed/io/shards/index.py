@@ -215,11 +215,11 @@ class ShardIndex:
             if dest.endswith("/"):
                 dest += FILENAME
             data = json.dumps(self.to_json(_dirname(dest)), separators=(",", ":")).encode()
-            fs, path = sources.filesystem(dest, storage_options)
-            if _may_be_dir(fs, dest) and fs.isdir(path):
-                dest, path = dest.rstrip("/") + "/" + FILENAME, path.rstrip("/") + "/" + FILENAME
-            with fs.open(path, "wb") as f:
-                f.write(data)
+            with sources.opened(dest, storage_options) as (fs, path):
+                if _may_be_dir(fs, dest) and fs.isdir(path):
+                    dest, path = dest.rstrip("/") + "/" + FILENAME, path.rstrip("/") + "/" + FILENAME
+                with fs.open(path, "wb") as f:
+                    f.write(data)
             return dest
         dest = os.path.abspath(dest)
         if os.path.isdir(dest):
@@ -240,14 +240,15 @@ class ShardIndex:
         """Read an index file (a path or fsspec URL, or a directory holding ``fastfeed-index.json``)."""
         src = os.fspath(src)
         if _is_url(src):
-            fs, path = sources.filesystem(src, storage_options)
-            if src.endswith("/") or (_may_be_dir(fs, src) and fs.isdir(path)):
-                src, path = src.rstrip("/") + "/" + FILENAME, path.rstrip("/") + "/" + FILENAME
-            try:
-                with fs.open(path, "rb") as f:
-                    raw = f.read()
-            except FileNotFoundError:
-                raise FileNotFoundError(f"shard index {src}: not found (build one with fastfeed.io.index_shards)")
+            with sources.opened(src, storage_options) as (fs, path):
+                if src.endswith("/") or (_may_be_dir(fs, src) and fs.isdir(path)):
+                    src, path = src.rstrip("/") + "/" + FILENAME, path.rstrip("/") + "/" + FILENAME
+                try:
+                    with fs.open(path, "rb") as f:
+                        raw = f.read()
+                except FileNotFoundError:
+                    raise FileNotFoundError(f"shard index {src}: not found (build one with "
+                                            "fastfeed.io.index_shards)") from None  # fmt: skip
         else:
             src = os.path.abspath(src)
             if os.path.isdir(src):
@@ -301,6 +302,8 @@ def index_shards(source, *, dest=None, storage_options: dict | None = None, num_
     finally:
         if bar is not None:
             bar.close()
+        for fs in fs_cache.values():
+            sources.release(fs)
     index = ShardIndex.from_shards(shards)
     if dest is True:
         index.save(_dirname(urls[0]) + ("/" if _is_url(urls[0]) else os.sep) + FILENAME, storage_options)

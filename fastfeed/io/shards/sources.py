@@ -8,6 +8,9 @@ any number of braces, ``\\{`` for a literal brace.
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+
 import glob as globbing
 import itertools
 import os
@@ -86,8 +89,36 @@ def filesystem(url: str, storage_options: dict | None = None):
     return fsspec.core.url_to_fs(url, skip_instance_cache=True, **(storage_options or {}))
 
 
+@contextlib.contextmanager
+def opened(url: str, storage_options: dict | None = None):
+    """``filesystem(url)`` for a block of code, its connections closed when the block ends (``release``)."""
+    fs, path = filesystem(url, storage_options)
+    try:
+        yield fs, path
+    finally:
+        release(fs)
+
+
+def release(fs) -> None:
+    """Close ``fs``'s connections now, in this process.
+
+    fsspec closes an async filesystem's session (HTTP, S3) in a finalizer that runs when the filesystem is
+    collected. Collected late (a reference cycle, a traceback), that can happen in a forked worker, where the
+    finalizer waits on the parent's event loop, which no thread runs there, until its timeout: about a second
+    added to the first batch of a loader whose workers are forked after the dataset looked up its shards.
+    """
+    for final in list(weakref.finalize._registry):
+        info = final.peek()
+        if info is not None and info[0] is fs:
+            final()
+
+
 def _resolve_url(source: str, storage_options: dict | None) -> list[str]:
-    fs, path = filesystem(source, storage_options)
+    with opened(source, storage_options) as (fs, path):
+        return _list_url(source, fs, path)
+
+
+def _list_url(source: str, fs, path: str) -> list[str]:
     if _GLOB.search(path):
         found = sorted(p for p in fs.glob(path) if fs.isfile(p))
         if not found:

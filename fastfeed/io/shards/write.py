@@ -115,9 +115,15 @@ def write_shards(dataset, dest, *, shard_bytes: int = SHARD_BYTES, encode: Calla
         samples.close()  # ends the encoding pool now, not when an exception's traceback lets the generator go
         if bar is not None:
             bar.close()
-    index = ShardIndex.from_shards(written)
-    index.save(out.index_location(), storage_options)
-    out.remove_stale([s["url"] for s in written])
+        if shard is not None and out.fs is not None:  # failed: the upload's connections go now too
+            sources.release(out.fs)
+    try:
+        index = ShardIndex.from_shards(written)
+        index.save(out.index_location(), storage_options)
+        out.remove_stale([s["url"] for s in written])
+    finally:
+        if out.fs is not None:
+            sources.release(out.fs)
     return [s["url"] for s in written]
 
 
