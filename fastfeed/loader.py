@@ -339,13 +339,14 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         worker's state enters it, so it continues with any ``num_workers`` (and, for Shards, any world size)."""
         mid_epoch = it is not None and (not it._finished or held_back > 0)
         yielded = it._num_yielded - held_back if mid_epoch else None
-        return dict(self._between_epochs(), mid_epoch=mid_epoch, yielded=yielded or 0, dataset=None,
+        return dict(self._between_epochs(own_state=False), mid_epoch=mid_epoch, yielded=yielded or 0,
                     shards=self.dataset._ff_position(yielded))  # fmt: skip
 
-    def _between_epochs(self) -> dict:
-        """The position between epochs: the sampler's state, and the dataset's where this process iterates it."""
+    def _between_epochs(self, own_state: bool = True) -> dict:
+        """The position between epochs: the sampler's state, and the dataset's where this process iterates it
+        (``own_state=False``: not asked for, the dataset's position is kept elsewhere)."""
         sampler = _state.sampler_of(self)
-        here = self.num_workers == 0 or self.worker_type == "thread"  # else workers iterate copies of it
+        here = own_state and (self.num_workers == 0 or self.worker_type == "thread")  # else workers iterate copies
         dataset = _state.dataset_positions(self.dataset, None)[0] if here else None
         return {
             "mid_epoch": False, "yielded": 0, "sampler_rng": None,

@@ -7,6 +7,7 @@ record it returns holds the raw figures; ``summary`` turns the records of both s
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -15,6 +16,16 @@ from typing import Any
 import torch
 
 from .accounting import PeakPss, main_cpu_s, process_tree, release_freed_memory, tree_cpu_s, wait_for_exit
+
+
+def drop_page_cache(paths) -> None:
+    """Drop each file's pages from the page cache, so that the next epoch reads them from the disk."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def touch(batch: Any) -> int:

@@ -44,6 +44,7 @@ from torch.utils.data import Dataset
 import fastfeed  # noqa: E402
 from .. import extras
 from ..http import FileServer, make_files
+from ..trial import drop_page_cache
 from fastfeed.io import ArrayFiles, Files  # noqa: E402
 
 BATCH, WORKERS = 32, 2
@@ -167,15 +168,6 @@ def tokens(tmp: Path, rounds: int, batches: int) -> dict:
             "max": max(ratios), "mb_per_s": n * window * 2 / f / 1e6}  # fmt: skip
 
 
-def _drop_page_cache(paths) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def epoch(loader_cls, dataset, seed: int) -> tuple[float, list[int]]:
     """Seconds for one shuffled epoch (new workers, as torch's defaults), and the samples' sizes in order."""
     torch.manual_seed(seed)
@@ -253,7 +245,7 @@ def main(argv=None) -> dict:
         if "local" in args.workloads:
             paths = [str(root / r) for r in rel]
             print(f"(b) local: {args.files} files, page cache dropped before each epoch", flush=True)
-            result["local"] = run("local", paths, args.rounds, cache_root, lambda: _drop_page_cache(paths))
+            result["local"] = run("local", paths, args.rounds, cache_root, lambda: drop_page_cache(paths))
         if "tokens" in args.workloads:
             print(f"(c) tokens: {args.token_batches} batches of {BATCH} windows of 2049 tokens", flush=True)
             result["tokens"] = tokens(Path(tmp), args.rounds, args.token_batches)

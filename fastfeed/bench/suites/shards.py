@@ -55,7 +55,7 @@ import torch
 
 from .. import extras, peers
 from ..accounting import process_tree, wait_for_exit
-from ..trial import touch
+from ..trial import drop_page_cache, touch
 
 BATCH, WORKERS = 32, 2
 SAMPLE_BYTES = 100_000  # decode pads or cuts every jpg to this many bytes, so batches stack
@@ -165,15 +165,6 @@ class Served:
 # --- one trial ------------------------------------------------------------------------------------------------------
 
 
-def _drop_page_cache(paths) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def _ids(batch) -> list[int]:
     touch(batch)
     return batch[1].tolist()
@@ -251,7 +242,7 @@ class Sides:
 
     def before_epoch(self, name: str) -> None:
         if self.storage == "local":
-            _drop_page_cache(self.data["tar"] if name != "mosaic" else self.data["mds"])
+            drop_page_cache(self.data["tar"] if name != "mosaic" else self.data["mds"])
 
 
 def epoch_trial(sides: Sides, name: str, seed: int) -> dict:

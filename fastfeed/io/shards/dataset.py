@@ -25,6 +25,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .. import remote
 from . import order, topology
 from .errors import ShardError
+from .tar import read_sample
 
 STATE_FORMAT = "fastfeed-shards"
 STATE_VERSION = 1
@@ -96,10 +97,8 @@ class Shards(IterableDataset):
         else:
             urls = resolve(source, storage_options=self.storage_options)
             self.index = _load_index(urls, index, self.storage_options)
-        self.urls = list(self.index.urls)
-        self._remote = any(remote.is_url(u) for u in self.urls)
         self.cache = None
-        if self._remote:
+        if any(remote.is_url(u) for u in self.index.urls):
             from .cache import ShardCache
 
             need = (self.shuffle_window + self.predownload) * int(max(self.index.sizes, default=0))
@@ -391,8 +390,6 @@ class _Reader:
         return fd
 
     def sample(self, sample_id: int):
-        from .tar import read_sample
-
         k, start, end = self.index.locate(sample_id)
         url = self.index.urls[k]
         key = self.index.key(sample_id)
