@@ -418,7 +418,7 @@ def _set_up_dataset(loader, epoch_starts: bool) -> None:
     setup = getattr(loader.dataset, "_ff_loader_setup", None)
     if callable(setup):
         setup(batch_size=loader.batch_size, drop_last=loader.drop_last, num_workers=loader.num_workers,
-              epoch_starts=epoch_starts)
+              prefetch_factor=loader.prefetch_factor, epoch_starts=epoch_starts)
 
 
 def _restores(state: dict) -> bool:

@@ -116,6 +116,7 @@ class Shards(IterableDataset):
         # Loader set-up and resume (see _ff_loader_setup, load_state_dict).
         self._loader_batch = None  # the batch size fastfeed.DataLoader told
         self._loader_drop_last = False
+        self._loader_prefetch = None  # the loader's prefetch_factor, where fastfeed.DataLoader told it
         self._pending = None  # a loaded position, for the next iteration of its epoch
         # The position this epoch's iteration starts from: (batch, within, worker or None, global batch, world).
         self._start = None
@@ -174,13 +175,14 @@ class Shards(IterableDataset):
     # -- the loader's side (fastfeed.DataLoader calls these; torch's does not need them) --------------------
 
     def _ff_loader_setup(self, *, batch_size: int | None, drop_last: bool, num_workers: int,
-                         epoch_starts: bool) -> None:  # fmt: skip
+                         prefetch_factor: int | None, epoch_starts: bool) -> None:  # fmt: skip
         """Called by fastfeed.DataLoader in the main process when it is made (so ``len()`` works at once) and at
         each ``iter()`` (``epoch_starts``), before workers get the dataset."""
         if batch_size is not None and self.batch_size is not None and batch_size != self.batch_size:
             raise ValueError(_mismatch(self.batch_size, batch_size))
         self._loader_batch = batch_size
         self._loader_drop_last = bool(drop_last)
+        self._loader_prefetch = prefetch_factor
         self._frozen = topology.ranks(self._rank, self._world, self._frozen)
         if epoch_starts:
             self._begin()
@@ -195,7 +197,8 @@ class Shards(IterableDataset):
     def _ff_worker_sync(self) -> dict:
         """What a persistent worker's copy must take from this one at a new epoch."""
         return {"epoch": self.epoch, "_start": self._start, "_loader_batch": self._loader_batch,
-                "_loader_drop_last": self._loader_drop_last, "_frozen": self._frozen}  # fmt: skip
+                "_loader_drop_last": self._loader_drop_last, "_loader_prefetch": self._loader_prefetch,
+                "_frozen": self._frozen}  # fmt: skip
 
     def _ff_worker_apply(self, sync: dict) -> None:
         for name, value in sync.items():
@@ -327,9 +330,11 @@ class _Reader:
         self.position = 0
         self.window = -1
         self.next_epoch = None
-        # The loader's workers make batches w, w+n, ...: one may be a round of batches behind this one, still
-        # reading the window this one just left. More protection would shrink the room eviction chooses from.
-        self.margin = split.global_batch * topology.worker()[1]
+        # The loader's workers make batches w, w+n, ...; it keeps at most num_workers x prefetch_factor tasks in
+        # flight (torch's default factor 2 where fastfeed's loader did not say), so another worker is at most that
+        # many batches behind this one, still reading the window this one just left. More protection would only
+        # shrink the room eviction chooses from.
+        self.margin = split.global_batch * topology.worker()[1] * (ds._loader_prefetch or 2)
 
     def at(self, position: int) -> None:
         """The iteration reaches ``position``: start downloading what the window after this one needs."""
@@ -357,8 +362,8 @@ class _Reader:
         return (int(k), self.index.urls[k], int(self.index.sizes[k]), int(self.index.crcs[k]))
 
     def next_use(self, k: int) -> float:
-        """When shard k is next needed, in positions from this epoch's start: -1 while it is read (or was, a round
-        of batches ago: another worker may be that far behind); the next epoch's use (assumed ``epoch + 1``) once
+        """When shard k is next needed, in positions from this epoch's start: -1 while it is read (or was, up to
+        the batches in flight ago: another worker may be that far behind); the next epoch's use (assumed ``epoch + 1``) once
         done. Shards about to be read have the smallest values, so farthest-next-use eviction keeps them."""
         first, end = self.epoch.span(k)
         p = self.position % max(self.index.n_samples, 1)
