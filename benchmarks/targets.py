@@ -8,6 +8,7 @@ project checks itself against them:
   .venv/bin/python benchmarks/targets.py bench-results/transport-*.json    # a script's result (benchmarks/*.py)
   .venv/bin/python benchmarks/targets.py bench-results/tune-*.json         # benchmarks/tune.py's result
   .venv/bin/python benchmarks/targets.py docs/bench/shards.json            # fastfeed bench shards' report
+  .venv/bin/python benchmarks/targets.py bench-results/bench-*.json        # fastfeed bench ray's report
 
 One line per target that a figure of the report answers, then the count met; exit 1 when one was missed.
 The scripts under benchmarks/ (transport.py, jpeg.py...) print the same lines after their figures, and
@@ -71,6 +72,9 @@ FILES = {("http", "readahead"): 4.0, ("http", "cached"): 10.0}
 # shards (fastfeed bench shards, benchmarks/shards.py): Shards over each peer's throughput on HTTP; resumed at 50% over
 # an epoch start's time to first batch; epoch 2's downloads with the data 2x the cache, over the ideal (data - cache).
 SHARDS = {"http_throughput": 1.2, "resume": 1.5, "cache": 1.1}
+# ray (fastfeed bench ray, benchmarks/ray.py): batches/s over the ideal N / t_batch (capped by the rate at which the
+# loop can receive), for every actor count up to scaling_up_to.
+RAY = {"scaling": 0.8, "scaling_up_to": 8}
 # tune: tuned / grid best, tuning time / grid time, chosen nw against the knee, reruns' spread, and (c)'s call.
 TUNE = {"throughput": 0.95, "time": 0.4, "knee_slack": 1, "agreement": 0.03, "not_input_bound_s": 10.0}
 
@@ -131,6 +135,17 @@ def shards_checks(result: dict) -> list[Check]:
     return out
 
 
+def ray_checks(result: dict) -> list[Check]:
+    """The targets of the ray workload's result (``fastfeed/bench/suites/ray.py``)."""
+    out = []
+    for row in (result.get("scaling") or {}).get("rows", []):
+        if row["actors"] <= RAY["scaling_up_to"]:
+            median = row["vs_capped"]["median"]
+            out.append(Check(f"ray scaling {row['actors']} actors", f"batches/s / ideal >= {RAY['scaling']}x",
+                             f"{median:.2f}x", median >= RAY["scaling"]))
+    return out
+
+
 def tune_checks(rows: list[dict]) -> list[Check]:
     """The targets of the tune workload's rows (one per workload, as ``fastfeed/bench/suites/tune.py`` writes)."""
     out = []
@@ -167,6 +182,8 @@ def checks(result: dict) -> list[Check]:
         return tune_checks(result["rows"])
     if result.get("workload") == "shards":
         return shards_checks(result)
+    if result.get("workload") == "ray":
+        return ray_checks(result)
     return files_checks(result)
 
 
@@ -174,6 +191,7 @@ CHECKERS: dict[str, Callable[[str, dict], list[Check]]] = {
     "comparison": lambda name, res: comparison_checks(res["params"]["script"], res["summary"]),
     "files": lambda name, res: files_checks(res),
     "shards": lambda name, res: shards_checks(res),
+    "ray": lambda name, res: ray_checks(res),
     "tune": lambda name, res: tune_checks(res["rows"]),
 }
 

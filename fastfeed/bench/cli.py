@@ -9,8 +9,9 @@ fastfeed bench gpu [--out DIR]                                           the GPU
 Workloads: transport (bytes to the consumer), overhead (a batch's own cost), jpeg (decode; fastfeed's
 processes, threads and DALI), text (tokenising in Python), startup (time to the first batch), files (storage
 behind latency: read-ahead and cache), shards (tar shards: fastfeed.io.Shards against webdataset and Mosaic's
-streaming, over HTTP and local disk), tune (the tuner against an exhaustive grid). Without a workload, all
-of them. Loaders run interleaved in rounds, after warm-up; every figure is a ratio to torch in the same run
+streaming, over HTTP and local disk), tune (the tuner against an exhaustive grid), ray (Ray actors as workers on
+a local cluster it starts: their overhead, scaling and local plus remote; needs ray). Without a workload, all of
+them. Loaders run interleaved in rounds, after warm-up; every figure is a ratio to torch in the same run
 (median, min-max over rounds). The report (JSON), its CSV and PNG plots go to --out (default bench-results).
 """
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import importlib.util
 
 # module -> (the package's name, the extra of fastfeed that installs it)
-MODULES = {"PIL": ("Pillow", "bench"), "fsspec": ("fsspec", "remote"), "aiohttp": ("aiohttp", "remote")}
-WORKLOADS = {"jpeg": ("PIL",)}  # a standard workload -> the modules it cannot run without
+MODULES = {"PIL": ("Pillow", "bench"), "fsspec": ("fsspec", "remote"), "aiohttp": ("aiohttp", "remote"),
+           "ray": ("ray", "ray")}
+WORKLOADS = {"jpeg": ("PIL",), "ray": ("ray",)}  # a standard workload -> the modules it cannot run without
 HTTP = ("fsspec", "aiohttp")  # the files workload's HTTP part
 
 

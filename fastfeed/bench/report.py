@@ -116,6 +116,8 @@ def figure_rows(report: dict):
                                    unit="files/s" if key != "tokens" else "windows/s")
         elif entry["kind"] == "shards":
             yield from _shards_rows(name, res)
+        elif entry["kind"] == "ray":
+            yield from _ray_rows(name, res)
         elif entry["kind"] == "tune":
             for row in res["rows"]:
                 for fig, key in (("throughput", "throughput_ratio"), ("tune_time", "time_ratio")):
@@ -167,6 +169,8 @@ def _table(name: str, entry: dict) -> str:
         return _files_table(entry["result"])
     if entry["kind"] == "shards":
         return shards_markdown(entry["result"])
+    if entry["kind"] == "ray":
+        return ray_markdown(entry["result"])
     if entry["kind"] == "tune":
         from .suites.tune import markdown as tune_markdown
 
@@ -317,4 +321,77 @@ def shards_markdown(res: dict) -> str:
         lines.append(f"Data {_mb(cache['data_bytes'])} of tar shards, cache {_mb(cache['cache_bytes'])}"
                      + (f"; Mosaic's MDS {_mb(mosaic['data_bytes'])}, cache_limit {_mb(mosaic['cache_bytes'])}"
                         if mosaic else "") + ".")
+    return "\n".join(lines)
+
+
+# --- ray ---------------------------------------------------------------------------------------------------------
+
+
+def _ray_rows(name: str, res: dict):
+    """The ray workload's figures: Ray actors over worker processes (GB/s, loop CPU per batch), each actor count's
+    batches/s over its ideal (capped by the receive rate), and local plus remote over local alone."""
+    over = res.get("overhead")
+    if over:
+        for fig, key, unit in (("throughput", "gb_per_s", "GB/s"), ("main_cpu_s", "main_cpu_ms_per_batch", "ms")):
+            st = over["vs"]["throughput" if fig == "throughput" else "main_cpu"]
+            yield dict(workload=name, key="overhead ray/process", figure=fig, median=st["median"], min=st["min"],
+                       max=st["max"], numerator=over["ray"][key]["median"], denominator=over["process"][key]["median"],
+                       unit=unit)  # fmt: skip
+    for row in (res.get("scaling") or {}).get("rows", []):
+        st = row["vs_capped"]
+        yield dict(workload=name, key=f"scaling {row['actors']} actors", figure="throughput_vs_ideal",
+                   median=st["median"], min=st["min"], max=st["max"], numerator=row["batches_per_s"]["median"],
+                   denominator=row["capped_ideal_batches_per_s"], unit="batch/s")  # fmt: skip
+    mixed = res.get("mixed")
+    if mixed:
+        base = mixed["loaders"][f"process {mixed['local']}"]["batches_per_s"]["median"]
+        for side, st in mixed["vs"].items():
+            yield dict(workload=name, key=f"mixed {side} / process {mixed['local']}", figure="throughput",
+                       median=st["median"], min=st["min"], max=st["max"],
+                       numerator=mixed["loaders"][side]["batches_per_s"]["median"], denominator=base, unit="batch/s")
+
+
+def _range(st: dict, scale: float = 1.0, digits: int = 2) -> str:
+    return f"{st['median'] * scale:.{digits}f} ({st['min'] * scale:.{digits}f}-{st['max'] * scale:.{digits}f})"
+
+
+def ray_markdown(res: dict) -> str:
+    """The ray workload's tables: transport through actors against processes, scaling against the ideal, mixed."""
+    lines = ["**ray**"]
+    over = res.get("overhead")
+    if over:
+        lines += ["", f"| {fmt(over['batch_bytes'] / 1e6)} MB batches, nw={over['num_workers']} | GB/s | "
+                  "loop CPU per batch | first batch |", "|---|---|---|---|"]  # fmt: skip
+        for side, label in (("process", 'worker_type="process"'), ("ray", 'worker_type="ray"')):
+            figs = over[side]
+            lines.append(f"| {label} | {_range(figs['gb_per_s'])} | {_range(figs['main_cpu_ms_per_batch'])} ms | "
+                         f"{fmt(figs['ttfb_s'] * 1e3)} ms |")
+        lines.append(f"| ray / process | {_ratio(over['vs']['throughput'], bold=True)} | "
+                     f"{_ratio(over['vs']['main_cpu'], bold=True)} | - |")
+    rec = res.get("receive")
+    if rec:
+        lines += ["", f"The loop receives {_range(rec['batches_per_s'], digits=1)} batches/s "
+                  f"({_range(rec['gb_per_s'], digits=3)} GB/s) of {fmt(rec['batch_bytes'] / 1e6)} MB from "
+                  f"{rec['actors']} actors with no cost per sample."]  # fmt: skip
+    scaling = res.get("scaling")
+    if scaling and scaling["rows"]:
+        lines += ["", f"| actors (t_batch {fmt(scaling['t_batch_s'] * 1e3)} ms) | batches/s | ideal N / t_batch | "
+                  "measured / ideal (capped by the receive rate) |", "|---|---|---|---|"]  # fmt: skip
+        for row in scaling["rows"]:
+            ideal = f"{row['ideal_batches_per_s']:.1f}" + (f" (capped {row['capped_ideal_batches_per_s']:.1f})"
+                                                            if row["capped"] else "")  # fmt: skip
+            lines.append(f"| {row['actors']} | {_range(row['batches_per_s'], digits=1)} | {ideal} | "
+                         f"{_ratio(row['vs_capped'], bold=True)} |")
+    mixed = res.get("mixed")
+    if mixed:
+        lines += ["", f"| CPU-bound (t_batch {fmt(mixed['t_batch_s'] * 1e3)} ms of CPU, {mixed['machine_cores']} "
+                  f"cores) | batches/s | / process {mixed['local']} |", "|---|---|---|"]  # fmt: skip
+        for side, figs in mixed["loaders"].items():
+            vs = mixed["vs"].get(side)
+            lines.append(f"| {side} | {_range(figs['batches_per_s'], digits=1)} | "
+                         f"{_ratio(vs, bold=True) if vs else '1.00x'} |")
+    left = res.get("left_behind")
+    if left is not None:
+        lines += ["", f"Left behind after the cluster's shutdown: {res.get('actors_left')} actors, "
+                  f"{left['procs']} processes, {len(left['shm'])} /dev/shm entries."]
     return "\n".join(lines)

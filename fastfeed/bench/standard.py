@@ -4,7 +4,8 @@ A suite's ``main(argv)`` is what its script under ``benchmarks/`` runs; here it 
 apply to it and returns its result, which the report keeps under the workload's name with its kind:
 ``comparison`` (the runner's interleaved rounds: transport, overhead, jpeg, text, startup), ``files``
 (storage behind latency, read-ahead and cache), ``shards`` (tar shards: fastfeed.io.Shards against webdataset and
-Mosaic's streaming) or ``tune`` (the tuner against an exhaustive grid).
+Mosaic's streaming), ``tune`` (the tuner against an exhaustive grid) or ``ray`` (Ray actors as workers, on a local
+cluster the suite starts).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from pathlib import Path
 from . import extras
 
 KINDS = {"transport": "comparison", "overhead": "comparison", "jpeg": "comparison", "text": "comparison",
-         "startup": "comparison", "files": "files", "shards": "shards", "tune": "tune"}  # fmt: skip
+         "startup": "comparison", "files": "files", "shards": "shards", "tune": "tune",
+         "ray": "ray"}  # fmt: skip
 STANDARD = tuple(KINDS)
 NEEDS_WORKERS = {"jpeg": "compares worker processes, threads and DALI's threads", "startup": "times worker start-up"}
 
@@ -34,7 +36,7 @@ def run(name: str, *, quick: bool, rounds: int | None, num_workers: list | None,
     """
     suite = importlib.import_module(f"fastfeed.bench.suites.{name}")
     kind = KINDS[name]
-    argv = (["--out", str(out)] if kind not in ("files", "shards") else []) + (["--quick"] if quick else [])
+    argv = (["--out", str(out)] if kind not in ("files", "shards", "ray") else []) + (["--quick"] if quick else [])
     if rounds is not None and kind != "tune":
         argv += ["--rounds", str(rounds)]
     if num_workers and kind == "comparison":

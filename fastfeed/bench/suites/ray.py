@@ -1,0 +1,487 @@
+"""Ray workers: what a batch costs through Ray actors, how the actors scale, and local plus remote together.
+
+Everything runs on a local fake cluster the suite starts itself (``ray.cluster_utils.Cluster`` with
+RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, so every node talks over 127.0.0.1): a head with no CPUs, where this
+process (the loop) is the driver, and --nodes worker nodes of --node-cpus declared CPUs each (more than the
+machine's cores: a sleeping actor needs none). Every actor therefore runs on a node other than the loop's, and its
+batches cross from that node's object store to the head's, as from a remote CPU node (over loopback, not a
+network). The cluster is shut down at the end; the result says how many actors, processes and /dev/shm entries
+were left behind (none expected).
+  overhead  64 uint8 images of 3x224x224 per batch (9.6 MB, as transport.py; a pool of --pool-items images,
+            each actor making its own pool from the dataset's spec, not receiving it), worker_type="ray" against
+            worker_type="process", both num_workers=2; per round one fresh loader of each, in alternating order,
+            --warmup untimed batches, then --batches timed: GB/s, and the loop's CPU per batch (this process,
+            every thread: Ray's driver threads are the loop's cost too). Medians over rounds, min-max.
+  receive   the rate at which the loop can receive: the scaling batches (64 uint8 of --scale-shape) with no
+            cost, from --receive-actors actors: batches/s and GB/s, over --windows timed windows.
+  scaling   the same batches, each sample costing a sleep (t_batch / 64: CPU work on a remote node, spent away
+            from this machine's cores), 1..16 actors (num_cpus=0.5 each, so all fit); per actor count one loader,
+            warm-up, then --windows timed windows of about --window-s each. Against the ideal N / t_batch
+            (t_batch measured: one batch fetched and collated in this process) and the ideal capped by the
+            receive rate: batches/s, and measured / capped ideal per window (median, min-max).
+  mixed     a CPU-bound dataset (each sample spins --spin-ms of its thread's CPU time), local process workers
+            plus Ray actors, worker_type=("process", "ray") with num_workers=(L, R), against
+            worker_type="process" with L workers, and with L + R: interleaved rounds, batches/s. The actors run
+            on this machine's cores too: on a 2-core machine, a remote actor's gain is the cores the local
+            workers left idle, no more.
+
+Run: .venv/bin/python benchmarks/ray.py [--quick] [--rounds N] [--actors 1 2 4 8 16] [--parts ...] [--out DIR]
+(or fastfeed bench ray, which writes a report). Needs ray: pip install 'fastfeed[ray]'.
+
+Measured:
+  (not yet measured: the suite awaits fastfeed's Ray workers)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.utils.data import Dataset
+
+from .. import extras, workloads
+from ..accounting import main_cpu_s, process_tree, wait_for_exit
+from ..trial import touch
+
+BATCH = 64
+OVERHEAD_WORKERS = 2
+PARTS = ("overhead", "receive", "scaling", "mixed")
+CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+SCALING_ACTOR_CPUS = 0.5
+NODE_OBJECT_STORE = 1 << 30  # bytes per node: far above the batches in flight (16 actors x 2 x 0.8 MB)
+
+
+# --- the datasets ---------------------------------------------------------------------------------------------------
+
+
+class Costly(Dataset):
+    """A map-style dataset of pre-made uint8 tensors, each item costing ``cost_s`` first.
+
+    ``how="sleep"`` sleeps (work done elsewhere: no core of this machine is used); ``"spin"`` spins until its
+    thread has used ``cost_s`` of CPU time (CPU-bound work: workers that share a core slow each other down, as
+    real decoding does, where a spin on the wall clock would not). Pickled as its spec, so a Ray actor makes
+    the pool itself (once per process, ``workloads.make_pool``) instead of receiving it through the object store:
+    the transport pool is 400 MB.
+
+    Args:
+        length: Items the dataset reports.
+        shape: Shape of every item.
+        pool_items: Distinct pre-made items; item ``i`` is ``pool[i % pool_items]``.
+        cost_s: Seconds of sleep or CPU per item.
+        how: ``"sleep"`` or ``"spin"``.
+    """
+
+    def __init__(self, length: int, shape: tuple[int, ...], pool_items: int, cost_s: float = 0.0,
+                 how: str = "sleep"):  # fmt: skip
+        if how not in ("sleep", "spin"):
+            raise ValueError(f"how must be 'sleep' or 'spin', got {how!r}")
+        self.spec = (length, tuple(shape), pool_items, cost_s, how)
+        self.length, self.cost_s, self.how = length, cost_s, how
+        self.pool = workloads.make_pool(tuple(shape), "uint8", pool_items)
+
+    def __reduce__(self):
+        return type(self), self.spec
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if self.cost_s > 0:
+            if self.how == "sleep":
+                time.sleep(self.cost_s)
+            else:
+                end = time.thread_time() + self.cost_s
+                while time.thread_time() < end:
+                    pass
+        return self.pool[index % len(self.pool)]
+
+
+def batch_seconds(ds: Costly, batches: int = 3) -> float:
+    """Median seconds to fetch and collate one batch of ``ds`` in this process: the t_batch of the ideal."""
+    collate = torch.utils.data.default_collate
+    times = []
+    for b in range(batches):
+        t0 = time.perf_counter()
+        collate([ds[b * BATCH + i] for i in range(BATCH)])
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# --- the cluster ----------------------------------------------------------------------------------------------------
+
+
+class LocalCluster:
+    """A fake Ray cluster on this machine, connected: a head with no CPUs (the driver's node) and CPU nodes.
+
+    Args:
+        nodes: Worker nodes.
+        node_cpus: CPUs each declares (may exceed the machine's cores).
+    """
+
+    def __init__(self, nodes: int, node_cpus: float):
+        self.nodes, self.node_cpus = nodes, node_cpus
+        self.cluster = None
+        self.start_s = None
+        self._env_was: str | None = None
+        self._procs_before: set[int] = set()
+        self._shm_before: set[str] = set()
+
+    def __enter__(self) -> LocalCluster:
+        import ray
+        from ray.cluster_utils import Cluster
+
+        if ray.is_initialized():
+            raise RuntimeError("the ray suite starts a local cluster of its own: run it in a process where ray is "
+                               "not initialised (fastfeed bench ray, or benchmarks/ray.py)")  # fmt: skip
+        self._procs_before = set(process_tree())
+        self._shm_before = set(os.listdir("/dev/shm"))
+        # Before the head starts: every node then binds 127.0.0.1, not the machine's outward address.
+        self._env_was = os.environ.get(CLUSTER_ENV)
+        os.environ[CLUSTER_ENV] = "0"
+        t0 = time.perf_counter()
+        try:
+            self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0,
+                                                                         "object_store_memory": NODE_OBJECT_STORE})
+            for _ in range(self.nodes):
+                self.cluster.add_node(num_cpus=self.node_cpus, object_store_memory=NODE_OBJECT_STORE)
+            ray.init(address=self.cluster.address, logging_level="warning")
+            self.cluster.wait_for_nodes()
+        except BaseException:
+            self._stop()
+            raise
+        self.start_s = time.perf_counter() - t0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        if self.cluster is not None:
+            self.cluster.shutdown()
+            self.cluster = None
+        if self._env_was is None:
+            os.environ.pop(CLUSTER_ENV, None)
+        else:
+            os.environ[CLUSTER_ENV] = self._env_was
+
+    def describe(self) -> dict:
+        """The cluster's nodes (as ``ray.nodes()`` gives them) and its CPUs, while it runs."""
+        import ray
+
+        nodes = [{"node_id": n["NodeID"], "address": n["NodeManagerAddress"],
+                  "cpus": float(n.get("Resources", {}).get("CPU", 0.0)), "alive": bool(n["Alive"])}
+                 for n in ray.nodes()]  # fmt: skip
+        return {"nodes": nodes, "cpus": sum(n["cpus"] for n in nodes if n["alive"]),
+                "start_s": self.start_s, "machine_cores": os.cpu_count()}
+
+    def left_behind(self) -> dict:
+        """After the cluster is shut down: the processes it (or a loader) left alive, and new /dev/shm entries."""
+        procs = wait_for_exit(set(process_tree()) - self._procs_before, timeout=10.0)
+        return {"procs": procs, "shm": sorted(set(os.listdir("/dev/shm")) - self._shm_before)}
+
+
+def alive_actors() -> int | None:
+    """Actors alive in the cluster now (this suite's cluster runs only the loaders' actors); None if Ray cannot say.
+
+    From the GCS's actor table (``ray.util.state`` needs the dashboard, which the suite's cluster does not run).
+    """
+    try:
+        from ray._private import state
+    except ImportError:
+        return None
+    try:
+        table = state.actors()
+    except Exception:  # a Ray whose private table moved: the count is unknown, not zero
+        return None
+    return sum(1 for a in table.values() if a.get("State") == "ALIVE")
+
+
+def wait_actors_gone(timeout: float = 10.0) -> int | None:
+    """Wait until no actor is alive; return how many still are (None: Ray cannot say)."""
+    deadline = time.monotonic() + timeout
+    while (left := alive_actors()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+# --- one trial ------------------------------------------------------------------------------------------------------
+
+
+def steady(make_loader: Callable[[], Any], warmup: int, batches: int, windows: int = 1) -> dict:
+    """One fresh loader: its first batch, ``warmup - 1`` more untimed, then ``windows`` timed runs of ``batches``.
+
+    Each window: seconds, batches/s, bytes/s and this process's CPU seconds per batch. When the loader is gone,
+    the actors still alive are counted (after waiting for them to end).
+    """
+    loader = it = None
+    gc.collect()
+    try:
+        t0 = time.perf_counter()
+        loader = make_loader()
+        it = iter(loader)
+        touch(next(it))
+        ttfb = time.perf_counter() - t0
+        for _ in range(max(0, warmup - 1)):
+            touch(next(it))
+        out = []
+        for _ in range(windows):
+            cpu0, w0 = main_cpu_s(), time.perf_counter()
+            nbytes = sum(touch(next(it)) for _ in range(batches))
+            seconds, cpu = time.perf_counter() - w0, main_cpu_s() - cpu0
+            out.append(dict(seconds=seconds, batches_per_s=batches / seconds, bytes_per_s=nbytes / seconds,
+                            main_cpu_s_per_batch=cpu / batches, batch_bytes=nbytes / batches))  # fmt: skip
+    finally:
+        del it, loader
+        gc.collect()
+    return dict(ttfb_s=ttfb, windows=out, actors_left=wait_actors_gone())
+
+
+def _loader(ds: Dataset, worker_type, num_workers, ray_options: dict | None = None, **kwargs):
+    import fastfeed
+
+    if ray_options is not None:
+        kwargs["ray_options"] = ray_options
+    return fastfeed.DataLoader(ds, batch_size=BATCH, num_workers=num_workers, worker_type=worker_type, **kwargs)
+
+
+def stats(values: list[float]) -> dict:
+    """Median, min and max of ``values``."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+# --- the parts ------------------------------------------------------------------------------------------------------
+
+
+def overhead_part(args, say: Callable = print) -> dict:
+    """9.6 MB batches through 2 Ray actors against 2 worker processes, interleaved rounds."""
+    n = args.warmup + args.batches
+    ds = Costly(n * BATCH, workloads.IMAGE_SHAPE, args.pool_items)
+    sides = {"process": lambda: _loader(ds, "process", OVERHEAD_WORKERS),
+             "ray": lambda: _loader(ds, "ray", OVERHEAD_WORKERS)}  # fmt: skip
+    runs: dict[str, list[dict]] = {k: [] for k in sides}
+    for r in range(args.rounds):
+        for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+            rec = steady(sides[name], args.warmup, args.batches)
+            win = rec.pop("windows")[0]
+            runs[name].append(dict(rec, **win, round=r))
+            say(f"  ray overhead round {r + 1}: {name:8} {win['bytes_per_s'] / 1e9:6.2f} GB/s, loop CPU "
+                f"{win['main_cpu_s_per_batch'] * 1e3:6.2f} ms/batch, first batch {rec['ttfb_s'] * 1e3:6.0f} ms")
+    out: dict[str, Any] = {"batch_bytes": BATCH * workloads.IMAGE_BYTES, "num_workers": OVERHEAD_WORKERS,
+                           "pool_mb": round(args.pool_items * workloads.IMAGE_BYTES / 1e6, 1)}
+    for name, recs in runs.items():
+        out[name] = {"gb_per_s": stats([x["bytes_per_s"] / 1e9 for x in recs]),
+                     "main_cpu_ms_per_batch": stats([x["main_cpu_s_per_batch"] * 1e3 for x in recs]),
+                     "ttfb_s": statistics.median(x["ttfb_s"] for x in recs), "rounds": recs}  # fmt: skip
+    pairs = list(zip(runs["ray"], runs["process"]))
+    out["vs"] = {"throughput": stats([a["bytes_per_s"] / b["bytes_per_s"] for a, b in pairs]),
+                 "main_cpu": stats([a["main_cpu_s_per_batch"] / b["main_cpu_s_per_batch"] for a, b in pairs])}
+    return out
+
+
+def _scale_ds(args, length: int, cost_s: float) -> Costly:
+    return Costly(length, tuple(args.scale_shape), pool_items=BATCH, cost_s=cost_s)
+
+
+def receive_part(args, say: Callable = print) -> dict:
+    """The loop's receive rate: the scaling batches at no cost, from many actors."""
+    n_actors = args.receive_actors
+    batches = args.receive_batches
+    warmup = 2 * n_actors
+    ds = _scale_ds(args, (warmup + batches * args.windows) * BATCH, 0.0)
+    rec = steady(lambda: _loader(ds, "ray", n_actors, ray_options={"num_cpus": SCALING_ACTOR_CPUS}), warmup,
+                 batches, args.windows)  # fmt: skip
+    wins = rec.pop("windows")
+    for w in wins:
+        say(f"  ray receive {n_actors} actors: {w['batches_per_s']:7.1f} batches/s, "
+            f"{w['bytes_per_s'] / 1e9:6.3f} GB/s, loop CPU {w['main_cpu_s_per_batch'] * 1e3:5.2f} ms/batch")
+    return dict(rec, actors=n_actors, batch_bytes=wins[0]["batch_bytes"],
+                batches_per_s=stats([w["batches_per_s"] for w in wins]),
+                gb_per_s=stats([w["bytes_per_s"] / 1e9 for w in wins]),
+                main_cpu_ms_per_batch=stats([w["main_cpu_s_per_batch"] * 1e3 for w in wins]), windows=wins)
+
+
+def scaling_part(args, receive: dict | None, say: Callable = print) -> dict:
+    """Sleeping samples on 1..16 actors against N / t_batch, capped by the receive rate."""
+    cost = args.t_batch / BATCH
+    t_batch = batch_seconds(_scale_ds(args, 3 * BATCH, cost))
+    cap = receive["batches_per_s"]["median"] if receive else None
+    say(f"  ray scaling: t_batch {t_batch * 1e3:.0f} ms measured ({args.t_batch * 1e3:.0f} ms of sleep), receive "
+        f"cap {'-' if cap is None else f'{cap:.1f} batches/s'}")
+    rows = []
+    for n in args.actors:
+        ideal = n / t_batch
+        capped = min(ideal, cap) if cap else ideal
+        # Windows of about --window-s at the ideal rate; the warm-up fills every actor's prefetch.
+        per_window = max(4, math.ceil(args.window_s * capped))
+        warmup = 2 * n + 2
+        ds = _scale_ds(args, (warmup + per_window * args.windows) * BATCH, cost)
+        rec = steady(lambda: _loader(ds, "ray", n, ray_options={"num_cpus": SCALING_ACTOR_CPUS}), warmup,
+                     per_window, args.windows)  # fmt: skip
+        wins = rec.pop("windows")
+        row = dict(rec, actors=n, ideal_batches_per_s=ideal, capped_ideal_batches_per_s=capped,
+                   capped=bool(cap and cap < ideal), batches_per_window=per_window,
+                   batches_per_s=stats([w["batches_per_s"] for w in wins]),
+                   gb_per_s=stats([w["bytes_per_s"] / 1e9 for w in wins]),
+                   vs_ideal=stats([w["batches_per_s"] / ideal for w in wins]),
+                   vs_capped=stats([w["batches_per_s"] / capped for w in wins]), windows=wins)  # fmt: skip
+        rows.append(row)
+        say(f"  ray scaling {n:2} actors: {row['batches_per_s']['median']:7.1f} batches/s, ideal {ideal:7.1f}"
+            f"{f' (capped {capped:.1f})' if row['capped'] else ''}: {row['vs_capped']['median']:.2f}x")
+    return {"t_batch_s": t_batch, "sleep_s_per_batch": args.t_batch, "batch_bytes": rows[0]["windows"][0]["batch_bytes"]
+            if rows else None, "receive_cap_batches_per_s": cap, "actor_cpus": SCALING_ACTOR_CPUS, "rows": rows}
+
+
+def mixed_part(args, say: Callable = print) -> dict:
+    """CPU-bound samples: L processes plus R actors against L processes and L + R processes, interleaved."""
+    local = args.mixed_local
+    cost = args.spin_ms / 1e3
+    shape = tuple(args.mixed_shape)
+    n = args.warmup + args.mixed_batches
+    ds = Costly(n * BATCH, shape, pool_items=BATCH, cost_s=cost, how="spin")
+    t_batch = batch_seconds(Costly(3 * BATCH, shape, pool_items=BATCH, cost_s=cost, how="spin"))
+    sides: dict[str, Callable[[], Any]] = {f"process {local}": lambda: _loader(ds, "process", local)}
+    for r in args.mixed_remote:
+        sides[f"process {local} + ray {r}"] = lambda r=r: _loader(ds, ("process", "ray"), (local, r))
+        sides[f"process {local + r}"] = lambda r=r: _loader(ds, "process", local + r)
+    names = list(sides)
+    runs: dict[str, list[dict]] = {k: [] for k in names}
+    for rnd in range(args.rounds):
+        for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+            rec = steady(sides[name], args.warmup, args.mixed_batches)
+            win = rec.pop("windows")[0]
+            runs[name].append(dict(rec, **win, round=rnd))
+            say(f"  ray mixed round {rnd + 1}: {name:18} {win['batches_per_s']:6.1f} batches/s")
+    out: dict[str, Any] = {"local": local, "remote": list(args.mixed_remote), "t_batch_s": t_batch,
+                           "spin_ms_per_sample": args.spin_ms, "machine_cores": os.cpu_count(), "loaders": {},
+                           "vs": {}}  # fmt: skip
+    for name, recs in runs.items():
+        out["loaders"][name] = {"batches_per_s": stats([x["batches_per_s"] for x in recs]), "rounds": recs}
+    base = runs[f"process {local}"]
+    for name in names[1:]:
+        out["vs"][name] = stats([a["batches_per_s"] / b["batches_per_s"] for a, b in zip(runs[name], base)])
+    return out
+
+
+# --- the run --------------------------------------------------------------------------------------------------------
+
+DEFAULTS = dict(rounds=5, warmup=10, batches=100, pool_items=None, actors=[1, 2, 4, 8, 16], windows=3,
+                window_s=2.0, t_batch=0.15, receive_actors=8, receive_batches=200, mixed_batches=40)
+QUICK = dict(rounds=2, warmup=3, batches=10, pool_items=256, actors=[1, 2, 4], windows=1, window_s=1.0,
+             t_batch=0.1, receive_actors=4, receive_batches=40, mixed_batches=8)
+
+
+def _parse(argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="few rounds, batches and actor counts (about a minute)")
+    p.add_argument("--rounds", type=int, help="interleaved rounds (overhead, mixed)")
+    p.add_argument("--warmup", type=int, help="untimed batches per trial, the first included")
+    p.add_argument("--batches", type=int, help="timed batches per overhead trial")
+    p.add_argument("--pool-items", type=int, help="distinct images in the overhead pool (default: as transport.py, "
+                   "at least 8x the last-level cache and 300 MB)")  # fmt: skip
+    p.add_argument("--actors", type=int, nargs="+", help="actor counts of the scaling part")
+    p.add_argument("--windows", type=int, help="timed windows per loader (receive, scaling)")
+    p.add_argument("--window-s", type=float, help="about how long each scaling window is, at the ideal rate")
+    p.add_argument("--t-batch", type=float, help="seconds of sleep per scaling batch (split over its samples)")
+    p.add_argument("--scale-shape", type=int, nargs="+", default=[3, 64, 64], help="a scaling sample's shape")
+    p.add_argument("--receive-actors", type=int)
+    p.add_argument("--receive-batches", type=int, help="batches per receive window")
+    p.add_argument("--mixed-local", type=int, default=1, help="local worker processes of the mixed part")
+    p.add_argument("--mixed-remote", type=int, nargs="+", default=[1], help="Ray actors added to them")
+    p.add_argument("--mixed-batches", type=int, help="timed batches per mixed trial")
+    p.add_argument("--mixed-shape", type=int, nargs="+", default=[3, 32, 32])
+    p.add_argument("--spin-ms", type=float, default=0.5, help="CPU milliseconds per mixed sample")
+    p.add_argument("--nodes", type=int, default=2, help="worker nodes of the local cluster")
+    p.add_argument("--node-cpus", type=float, default=8, help="CPUs each node declares")
+    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
+    p.add_argument("--out", type=Path, help="write the result there as ray-<time>.json (fastfeed bench ray writes "
+                   "its own report instead)")  # fmt: skip
+    args = p.parse_args(argv)
+    for key, value in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if args.pool_items is None:
+        args.pool_items = workloads.transport_pool_items()
+    for name in ("rounds", "warmup", "batches", "windows", "receive_actors", "receive_batches", "mixed_batches",
+                 "mixed_local", "nodes"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be 1 or more, got {getattr(args, name)}")
+    if min(args.actors) < 1 or min(args.mixed_remote) < 1:
+        p.error("--actors and --mixed-remote take counts of 1 or more")
+    need = max(max(args.actors), args.receive_actors) * SCALING_ACTOR_CPUS
+    if need > args.nodes * args.node_cpus:
+        p.error(f"{max(args.actors)} actors of {SCALING_ACTOR_CPUS} CPU need {need:g} CPUs; the cluster declares "
+                f"{args.nodes} x {args.node_cpus:g}: raise --node-cpus or --nodes")
+    return args
+
+
+def main(argv=None) -> dict:
+    """Run the ray benchmark: start the local cluster, run the parts, shut it down; returns the result."""
+    args = _parse(argv)
+    say = print
+    why = extras.missing(("ray",))
+    if why:
+        raise ImportError(f"the ray benchmark {why}")
+    result: dict[str, Any] = {"workload": "ray"}
+    result["params"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    result["params"].update(batch_size=BATCH, python=sys.version.split()[0])
+    say(f"# ray: a local cluster of a CPU-less head and {args.nodes} nodes of {args.node_cpus:g} CPUs, on "
+        f"{os.cpu_count()} cores; parts {', '.join(args.parts)}")
+    with LocalCluster(args.nodes, args.node_cpus) as cluster:
+        import ray
+
+        result["cluster"] = cluster.describe()
+        result["versions"] = {"ray": ray.__version__}
+        say(f"# ray: cluster up in {cluster.start_s:.1f} s, {result['cluster']['cpus']:g} CPUs declared")
+        if "overhead" in args.parts:
+            say("(overhead) 9.6 MB batches, nw=2: Ray actors against worker processes")
+            result["overhead"] = overhead_part(args, say)
+        receive = None
+        if "receive" in args.parts:
+            say("(receive) the loop's receive rate: no cost per sample, many actors")
+            receive = result["receive"] = receive_part(args, say)
+        if "scaling" in args.parts:
+            say("(scaling) sleeping samples on 1..N actors, against N / t_batch")
+            result["scaling"] = scaling_part(args, receive, say)
+        if "mixed" in args.parts:
+            say("(mixed) CPU-bound samples: local processes plus Ray actors")
+            result["mixed"] = mixed_part(args, say)
+        result["actors_left"] = wait_actors_gone()
+    result["left_behind"] = cluster.left_behind()
+    say("")
+    from ..report import ray_markdown
+
+    say(ray_markdown(result))
+    if args.out is not None:
+        say(f"# result: {save(result, args.out)}")
+    return result
+
+
+def save(result: dict, out: Path) -> Path:
+    """``result`` as ``<out>/ray-<time>.json`` (benchmarks/targets.py reads it)."""
+    from ..report import portable
+
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"ray-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, n = out / f"{stem}.json", 1
+    while path.exists():  # two runs in one second must not overwrite
+        n += 1
+        path = out / f"{stem}-{n}.json"
+    path.write_text(json.dumps(portable(result), indent=1, default=str) + "\n")
+    return path
+
+
+if __name__ == "__main__":
+    main()

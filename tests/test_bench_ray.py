@@ -1,0 +1,202 @@
+"""`fastfeed bench ray`: Ray actors against worker processes, their scaling and local plus remote, end to end at
+--quick size on the local cluster the suite starts, and the parts of it that decide a figure (the datasets, the
+tables, the targets' reading).
+
+These check the harness and what its report holds, not speed: no figure is held to a target here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from _first_run import TARGET
+from fastfeed.bench import extras, report, standard
+from fastfeed.bench.suites import ray as suite
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+import targets  # noqa: E402  (benchmarks/targets.py: the project's targets, checked against a result)
+
+sys.path.remove(str(REPO / "benchmarks"))
+
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
+
+
+def _env() -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("RAY_ADDRESS", None)  # the suite starts and connects to its own cluster
+    return env
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory) -> tuple[dict, str]:
+    """One ``fastfeed bench ray --quick`` run: its saved report and its output."""
+    out = tmp_path_factory.mktemp("bench-ray")
+    proc = subprocess.run([sys.executable, "-m", "fastfeed", "bench", "ray", "--quick", "--out", str(out)],
+                          cwd=out, capture_output=True, text=True, timeout=280, env=_env())  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = out.glob("bench-*.json")
+    return report.load(path), proc.stdout + proc.stderr
+
+
+@needs_ray
+def test_quick_run_measures_every_part_on_a_loopback_cluster(quick_report):
+    """A quick run starts a CPU-less head and two CPU nodes, all on 127.0.0.1, and measures transport through
+    actors beside processes, the receive rate, every actor count against its ideal, and local plus remote."""
+    rep, _ = quick_report
+    assert rep["workloads"]["ray"]["kind"] == "ray"
+    res = rep["workloads"]["ray"]["result"]
+    nodes = res["cluster"]["nodes"]
+    assert len(nodes) == 3 and all(n["alive"] for n in nodes)
+    assert {n["address"] for n in nodes} == {"127.0.0.1"}
+    assert sorted(n["cpus"] for n in nodes) == [0.0, 8.0, 8.0]
+    over = res["overhead"]
+    assert over["batch_bytes"] == 64 * 3 * 224 * 224
+    for side in ("process", "ray"):
+        assert len(over[side]["rounds"]) == res["params"]["rounds"]
+        for rec in over[side]["rounds"]:
+            assert rec["batch_bytes"] == over["batch_bytes"] and rec["bytes_per_s"] > 0
+            assert rec["main_cpu_s_per_batch"] > 0 and rec["actors_left"] == 0
+    assert over["vs"]["throughput"]["median"] > 0 and over["vs"]["main_cpu"]["median"] > 0
+    receive = res["receive"]
+    assert receive["batches_per_s"]["median"] > 0 and receive["batch_bytes"] == 64 * 3 * 64 * 64
+    rows = res["scaling"]["rows"]
+    assert [r["actors"] for r in rows] == res["params"]["actors"]
+    t_batch = res["scaling"]["t_batch_s"]
+    assert t_batch >= res["params"]["t_batch"]  # a sleep lasts at least what it asks
+    for r in rows:
+        assert r["ideal_batches_per_s"] == pytest.approx(r["actors"] / t_batch)
+        assert r["capped_ideal_batches_per_s"] == min(r["ideal_batches_per_s"], receive["batches_per_s"]["median"])
+        assert r["vs_capped"]["median"] > 0 and r["actors_left"] == 0
+    mixed = res["mixed"]
+    assert set(mixed["loaders"]) == {"process 1", "process 1 + ray 1", "process 2"}
+    assert set(mixed["vs"]) == {"process 1 + ray 1", "process 2"}
+
+
+@needs_ray
+def test_quick_run_leaves_no_actor_process_or_segment(quick_report):
+    """After every loader and at the end, no actor is alive, and once the cluster is shut down none of its
+    processes and no /dev/shm entry of its is left."""
+    rep, _ = quick_report
+    res = rep["workloads"]["ray"]["result"]
+    assert res["actors_left"] == 0
+    assert res["left_behind"] == {"procs": 0, "shm": []}
+
+
+@needs_ray
+def test_quick_run_prints_its_tables_and_targets_read_them(quick_report):
+    """The run prints the tables the report makes (figures only), and benchmarks/targets.py finds a scaling target
+    for every actor count up to 8."""
+    rep, output = quick_report
+    tables = report.markdown(rep, ["ray"])
+    assert '| worker_type="ray" |' in tables and "| ray / process |" in tables and "N / t_batch" in tables
+    assert "| process 1 + ray 1 |" in tables and tables in output
+    assert not TARGET.search(tables) and not TARGET.search(output)
+    found = {c.where for c in targets.checks(rep)}
+    assert found == {f"ray scaling {n} actors" for n in rep["workloads"]["ray"]["result"]["params"]["actors"]}
+    keys = {(r["key"], r["figure"]) for r in report.figure_rows(rep)}
+    assert ("overhead ray/process", "throughput") in keys and ("overhead ray/process", "main_cpu_s") in keys
+
+
+@needs_ray
+def test_the_script_runs_with_ray_importable_beside_it(tmp_path):
+    """benchmarks/ray.py, whose name is Ray's, still imports Ray (not itself), writes its result and prints the
+    targets after the figures."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "ray.py"), "--quick", "--parts", "mixed",
+                           "--rounds", "1", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                          timeout=180, env=_env())  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "# targets: 0 of 0 met" in proc.stdout  # the mixed part has no target
+    (path,) = tmp_path.glob("ray-*.json")
+    res = json.loads(path.read_text())
+    assert res["workload"] == "ray" and set(res["mixed"]["loaders"]) == {"process 1", "process 1 + ray 1",
+                                                                         "process 2"}  # fmt: skip
+    assert res["left_behind"] == {"procs": 0, "shm": []}
+
+
+def test_costly_ships_as_its_spec_and_rebuilds_the_same_items():
+    """A Costly dataset pickles to its spec (bytes, not its 400 MB pool), and the copy yields the same items."""
+    ds = suite.Costly(10, (3, 32, 32), pool_items=4)
+    data = pickle.dumps(ds)
+    assert len(data) < 1000
+    copy = pickle.loads(data)
+    assert len(copy) == 10 and all(bool((copy[i] == ds[i]).all()) for i in range(10))
+    assert copy.spec == ds.spec
+    with pytest.raises(ValueError, match="'sleep' or 'spin'"):
+        suite.Costly(1, (1,), 1, how="burn")
+
+
+def test_spin_spends_cpu_and_sleep_does_not():
+    """A spinning item costs its thread's CPU time; a sleeping one costs wall time and almost no CPU."""
+    spin = suite.Costly(1, (4,), 1, cost_s=0.03, how="spin")
+    cpu0 = time.thread_time()
+    spin[0]
+    assert time.thread_time() - cpu0 >= 0.03
+    sleep = suite.Costly(1, (4,), 1, cost_s=0.03, how="sleep")
+    cpu0, w0 = time.thread_time(), time.perf_counter()
+    sleep[0]
+    assert time.perf_counter() - w0 >= 0.03 and time.thread_time() - cpu0 < 0.015
+
+
+def test_a_missing_ray_is_skipped_with_its_pip_line(monkeypatch):
+    """Without ray, fastfeed bench skips the ray workload with one line naming the extra, and the suite itself
+    raises the same words."""
+    real = extras.installed
+    monkeypatch.setattr(extras, "installed", lambda module: module != "ray" and real(module))
+    assert standard.missing_extra("ray") == "needs ray, which is not installed: pip install 'fastfeed[ray]'"
+    with pytest.raises(ImportError, match=r"pip install 'fastfeed\[ray\]'"):
+        suite.main(["--quick"])
+
+
+def _stats(m: float, lo: float | None = None, hi: float | None = None) -> dict:
+    return {"median": m, "min": m if lo is None else lo, "max": m if hi is None else hi}
+
+
+def _row(n: int, ratio: float, t_batch: float = 0.1) -> dict:
+    return {"actors": n, "ideal_batches_per_s": n / t_batch, "capped_ideal_batches_per_s": n / t_batch,
+            "capped": False, "batches_per_s": _stats(ratio * n / t_batch), "vs_capped": _stats(ratio)}
+
+
+def test_markdown_rows_and_targets_of_a_ray_result():
+    """The tables and CSV rows of a ray result, and the scaling target read for 1-8 actors only (16 is reported,
+    not held to it): a ratio under 0.8x at 8 actors is missed."""
+    res = {
+        "workload": "ray",
+        "overhead": {"batch_bytes": 9633792, "num_workers": 2,
+                     "process": {"gb_per_s": _stats(3.0, 2.5, 3.5), "main_cpu_ms_per_batch": _stats(1.0),
+                                 "ttfb_s": 0.05},
+                     "ray": {"gb_per_s": _stats(1.5), "main_cpu_ms_per_batch": _stats(4.0), "ttfb_s": 1.2},
+                     "vs": {"throughput": _stats(0.5, 0.4, 0.6), "main_cpu": _stats(4.0, 3.0, 5.0)}},
+        "receive": {"actors": 8, "batch_bytes": 786432, "batches_per_s": _stats(400.0), "gb_per_s": _stats(0.31)},
+        "scaling": {"t_batch_s": 0.1, "rows": [_row(1, 0.95), _row(8, 0.7), _row(16, 0.5)]},
+        "mixed": {"local": 1, "t_batch_s": 0.032, "machine_cores": 2,
+                  "loaders": {"process 1": {"batches_per_s": _stats(30.0)},
+                              "process 1 + ray 1": {"batches_per_s": _stats(45.0)}},
+                  "vs": {"process 1 + ray 1": _stats(1.5)}},
+        "actors_left": 0, "left_behind": {"procs": 0, "shm": []},
+    }
+    rep = {"schema": report.SCHEMA, "workloads": {"ray": {"kind": "ray", "result": res}}}
+    text = report.markdown(rep)
+    assert '| worker_type="process" | 3.00 (2.50-3.50) | 1.00 (1.00-1.00) ms | 50 ms |' in text
+    assert "| ray / process | **0.50x** (0.40-0.60) | **4.00x** (3.00-5.00) | - |" in text
+    assert "| 8 | 56.0 (56.0-56.0) | 80.0 | **0.70x** (0.70-0.70) |" in text
+    assert "| process 1 + ray 1 | 45.0 (45.0-45.0) | **1.50x** (1.50-1.50) |" in text
+    assert "0 actors, 0 processes, 0 /dev/shm entries" in text and not TARGET.search(text)
+    rows = {(r["key"], r["figure"]): r["median"] for r in report.figure_rows(rep)}
+    assert rows[("overhead ray/process", "throughput")] == 0.5 and rows[("overhead ray/process", "main_cpu_s")] == 4
+    assert rows[("scaling 16 actors", "throughput_vs_ideal")] == 0.5
+    assert rows[("mixed process 1 + ray 1 / process 1", "throughput")] == 1.5
+    assert {(c.where, c.ok) for c in targets.checks(rep)} == {("ray scaling 1 actors", True),
+                                                              ("ray scaling 8 actors", False)}  # fmt: skip
+    assert {(c.where, c.ok) for c in targets.checks(res)} == {("ray scaling 1 actors", True),
+                                                              ("ray scaling 8 actors", False)}  # fmt: skip
+    json.dumps(res)
