@@ -108,6 +108,7 @@ def test_quick_run_prints_its_tables_and_targets_read_them(quick_report):
 
 
 @needs_ray
+@pytest.mark.hang_limit(200)
 def test_the_script_runs_with_ray_importable_beside_it(tmp_path):
     """benchmarks/ray.py, whose name is Ray's, still imports Ray (not itself), writes its result and prints the
     targets after the figures."""
