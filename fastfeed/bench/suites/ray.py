@@ -39,6 +39,7 @@ import gc
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -134,19 +135,26 @@ class LocalCluster:
         self._env_was: str | None = None
         self._procs_before: set[int] = set()
         self._shm_before: set[str] = set()
+        self._ours: set[int] = set()
 
     def __enter__(self) -> LocalCluster:
+        # Every node then binds 127.0.0.1, not the machine's outward address. Ray reads the variable once, when
+        # ray._private.ray_constants is first imported: it must be set before `import ray` (the nodes' and
+        # actors' own processes import it afresh, from this environment), and where this process imported Ray
+        # already, its constant is set too (services.get_node_ip_address reads it at each call).
+        self._env_was = os.environ.get(CLUSTER_ENV)
+        os.environ[CLUSTER_ENV] = "0"
         import ray
+        from ray._private import ray_constants
         from ray.cluster_utils import Cluster
 
+        ray_constants.ENABLE_RAY_CLUSTER = False
         if ray.is_initialized():
+            self._restore_env()
             raise RuntimeError("the ray suite starts a local cluster of its own: run it in a process where ray is "
                                "not initialised (fastfeed bench ray, or benchmarks/ray.py)")  # fmt: skip
         self._procs_before = set(process_tree())
         self._shm_before = set(os.listdir("/dev/shm"))
-        # Before the head starts: every node then binds 127.0.0.1, not the machine's outward address.
-        self._env_was = os.environ.get(CLUSTER_ENV)
-        os.environ[CLUSTER_ENV] = "0"
         t0 = time.perf_counter()
         try:
             self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0,
@@ -159,6 +167,8 @@ class LocalCluster:
             self._stop()
             raise
         self.start_s = time.perf_counter() - t0
+        global _RUNNING
+        _RUNNING = self
         return self
 
     def __exit__(self, *exc) -> None:
@@ -167,11 +177,18 @@ class LocalCluster:
     def _stop(self) -> None:
         import ray
 
+        global _RUNNING
+        _RUNNING = None
+
         if ray.is_initialized():
             ray.shutdown()
         if self.cluster is not None:
+            self.watch()
             self.cluster.shutdown()
             self.cluster = None
+        self._restore_env()
+
+    def _restore_env(self) -> None:
         if self._env_was is None:
             os.environ.pop(CLUSTER_ENV, None)
         else:
@@ -187,10 +204,28 @@ class LocalCluster:
         return {"nodes": nodes, "cpus": sum(n["cpus"] for n in nodes if n["alive"]),
                 "start_s": self.start_s, "machine_cores": os.cpu_count()}
 
+    def watch(self) -> None:
+        """Note the processes of this run now (this one, the nodes, their actors), whose /dev/shm entries count."""
+        self._ours.update(process_tree())
+
     def left_behind(self) -> dict:
-        """After the cluster is shut down: the processes it (or a loader) left alive, and new /dev/shm entries."""
+        """After the cluster is shut down: the processes it (or a loader) left alive, and the /dev/shm entries made
+        by a process of this run (one named for its pid, as fastfeed's and torch's are) still there.
+
+        Other programs on the machine make and remove their own entries meanwhile: those are not counted.
+        """
         procs = wait_for_exit(set(process_tree()) - self._procs_before, timeout=10.0)
-        return {"procs": procs, "shm": sorted(set(os.listdir("/dev/shm")) - self._shm_before)}
+        new = set(os.listdir("/dev/shm")) - self._shm_before
+        return {"procs": procs, "shm": sorted(n for n in new if _owner(n) in self._ours)}
+
+
+def _owner(name: str) -> int | None:
+    """The pid a /dev/shm entry is named for (``fastfeed-<pid>-...``, ``torch_<pid>_...``), else None."""
+    m = re.match(r"(?:fastfeed|torch)[-_](\d+)[-_]", name)
+    return int(m.group(1)) if m else None
+
+
+_RUNNING: LocalCluster | None = None  # the cluster started, whose processes each trial notes
 
 
 def alive_actors() -> int | None:
@@ -234,6 +269,8 @@ def steady(make_loader: Callable[[], Any], warmup: int, batches: int, windows: i
         it = iter(loader)
         touch(next(it))
         ttfb = time.perf_counter() - t0
+        if _RUNNING is not None:
+            _RUNNING.watch()  # the actors live only as long as their loader
         for _ in range(max(0, warmup - 1)):
             touch(next(it))
         out = []
