@@ -105,6 +105,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         if auto is not None and _workers.uses_ray(worker_type):
             raise ValueError("num_workers/prefetch_factor='auto' tune local workers; with Ray actors give the counts "
                              "(fastfeed.tune(..., remote=...) measures how many actors pay)")  # fmt: skip
+        # Before torch's __init__, whose worker-count check counts local workers only (see below).
+        self.worker_type = worker_type
+        self._ff_local = split[0] if worker_type == _workers.MIXED else None  # the mixed form's local processes
         super().__init__(*args, **kwargs)
         self._ff_stage = transfer.plan(device, device_transform, device_prefetch)
         self._ff_made = {"device": device, "device_transform": device_transform, "device_prefetch": device_prefetch}
@@ -128,7 +131,6 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             raise ValueError("multiprocessing_context applies to worker processes; worker_type='ray' starts Ray "
                              "actors. Pass one or the other.")  # fmt: skip
         self.worker_type = worker_type
-        self._ff_local = split[0] if worker_type == _workers.MIXED else None  # the mixed form's local processes
         self.ray_options = ray_options
         self.reader = _reader(reader, self.dataset, self.device)
         if self.reader == "gds":
@@ -204,8 +206,19 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
 
     def check_worker_number_rationality(self):
         # A count the tuner chose by measuring, above the cores or not, needs no warning about it.
-        if self.tune_result is None or self.num_workers != self.tune_result.num_workers:
+        if self.tune_result is not None and self.num_workers == self.tune_result.num_workers:
+            return
+        local = self.worker_split[0] if _workers.uses_ray(getattr(self, "worker_type", None)) else None
+        if local is None:
             super().check_worker_number_rationality()
+            return
+        # Ray actors run on the cluster's CPUs: only the local processes count against this machine's cores.
+        total = self.num_workers
+        self.num_workers = local
+        try:
+            super().check_worker_number_rationality()
+        finally:
+            self.num_workers = total
 
     def _ring_for(self, quiet: int, pin: bool, numa_node: int | None, device: int = -1) -> Ring:
         """The ring of batch slots for a new iterator: the last one, unless another iterator still writes into it.
