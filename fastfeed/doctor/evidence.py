@@ -59,7 +59,7 @@ class Evidence:
     worker_batch_s: float | None = None  # fetch + collate per batch, mean over workers
     fetch: list = field(default_factory=list)
     worker_busy: list = field(default_factory=list)  # per worker: (fetch + collate) / span
-    worker_cpu: float | None = None  # mean CPU (cores) of one worker process
+    worker_cpu: float | None = None  # mean CPU (cores) of one local worker process
     h2d_p50_s: float | None = None
     ready_mean: float | None = None
     system: dict = field(default_factory=dict)  # means of the sampler's figures over the span
@@ -153,6 +153,6 @@ def gather(tl: Timeline) -> Evidence:
                              "gpu_util", "gpu_mem_util", "pcie_rx_mbps", "pcie_tx_mbps")}  # fmt: skip
     ev.system["disk_read_mbps_cv"] = cv([s.get("disk_read_mbps") for s in inside])
     per_sample = [sum(v for p, v in (s.get("proc_cpu") or {}).items() if int(p) in pids) for s in inside]
-    if pids and per_sample and rec.num_workers:
-        ev.worker_cpu = statistics.fmean(per_sample) / rec.num_workers
+    if pids and per_sample and rec.local_workers:  # Ray actors are no processes of ours: the local ones share it
+        ev.worker_cpu = statistics.fmean(per_sample) / rec.local_workers
     return ev
