@@ -56,6 +56,13 @@ def test_workers_busy_without_using_a_cpu_are_blocked_in_reads():
     assert not any("prefetch(indices)" in a["change"] for a in diagnose(tl).advice)
 
 
+def test_workers_short_of_a_core_on_busy_cores_are_input_cpu_not_blocked_in_reads():
+    """8 CPU-bound workers on 2 busy cores use a quarter core each while always busy: waiting for a core, input/cpu."""
+    tl = make([0.010] * N, [0.010] * N, num_workers=8, worker_s=0.16, worker_cpu=0.25,
+              samples={"cpu_busy": 0.99, "main_cpu": 0.1, "iowait": 0.0})  # fmt: skip
+    assert diagnose(tl).cause == "cpu"
+
+
 def test_a_slow_step_is_compute():
     """Waits under 5% of the loop: not input-bound; with no GPU to look at, compute."""
     tl = make([0.0002] * N, [0.02] * N, worker_s=0.005, worker_cpu=0.5, samples={"cpu_busy": 0.3})

@@ -18,7 +18,8 @@ JSON schema (``report.json``, ``"schema": "fastfeed.doctor/1"``), top-level keys
 - ``advice``: ``{change, setting, why, predicted_samples_per_s, predicted_gain}``, best first.
 - ``whatif``: ``compute_ceiling``, ``input_ceiling``, ``input_ceiling_fastfeed``, ``closing``: each
   ``{samples_per_s, batches_per_s, batches, seconds, ...}`` or absent when not run; ``closing`` also has the
-  setting, the predicted and the measured samples/s.
+  setting, the predicted and the measured samples/s, and ``gain``: the measured rate over the recorded one, both
+  once every worker has made its first batch (``gain_with_startup``: with it).
 - ``command``, ``fastfeed``: what ran, and fastfeed's version.
 """
 

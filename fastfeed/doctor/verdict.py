@@ -69,11 +69,14 @@ def _cause(ev: Evidence, placement: dict | None) -> str:
     if ev.h2d_p50_s is not None and wait_p50 and ev.h2d_p50_s >= 0.5 * wait_p50:
         return "transfer"
     sysf = ev.system
-    if ((sysf.get("iowait") or 0) >= IOWAIT or (sysf.get("psi_io") or 0) >= PSI_IO
-            or (sysf.get("disk_read_ms") or 0) >= READ_MS or _blocked(ev)):  # fmt: skip
-        return "io"
     free = ev.free_cores
-    if free is not None and free < FREE_CORES_MIN and ev.steady_stall_fraction >= MODERATELY:
+    starved = free is not None and free < FREE_CORES_MIN
+    # Workers using less CPU than they are busy for wait on something: reads, or, with no core free, a core (more
+    # CPU-bound workers than cores, or other processes on them): then they are not blocked in reads.
+    if ((sysf.get("iowait") or 0) >= IOWAIT or (sysf.get("psi_io") or 0) >= PSI_IO
+            or (sysf.get("disk_read_ms") or 0) >= READ_MS or (_blocked(ev) and not starved)):  # fmt: skip
+        return "io"
+    if starved and ev.steady_stall_fraction >= MODERATELY:
         return "cpu"
     return "workers"
 

@@ -28,7 +28,8 @@ def _rate(tl: Timeline) -> dict | None:
     if ev.batches == 0:
         return None
     return {"samples_per_s": ev.samples_per_s, "batches_per_s": ev.batches_per_s, "batches": ev.batches,
-            "seconds": ev.loop_s, "stall_fraction": ev.stall_fraction}  # fmt: skip
+            "seconds": ev.loop_s, "stall_fraction": ev.stall_fraction,
+            "warm_batches_per_s": ev.warm_batches_per_s}  # fmt: skip
 
 
 def _outcome(report, watch, error) -> tuple[dict | None, str | None]:
