@@ -1,5 +1,5 @@
-"""The doctor on a real (local, fake) Ray cluster: it advises Ray actors for an input/cpu loop, and the re-run with
-them delivers the gain it predicted; `fastfeed info` shows the cluster's nodes and CPUs."""
+"""The doctor, the tuner and `fastfeed info` on a local Ray cluster: Ray actors advised for an input/cpu loop deliver
+the gain predicted; a mixed setting is measured; the cluster's nodes and CPUs are shown. One cluster per module."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -20,8 +21,11 @@ ray = pytest.importorskip("ray")
 import fastfeed  # noqa: E402
 from fastfeed import info  # noqa: E402
 from fastfeed.doctor import cli as doctor_cli  # noqa: E402
+from fastfeed.tuning import measure  # noqa: E402
+from fastfeed.tuning.result import Setting  # noqa: E402
 
-from _ray import local_cluster, wait_no_actors  # noqa: E402
+_ray = pytest.importorskip("_ray", reason="tests/_ray.py, the local test cluster, comes with worker_type='ray'")
+local_cluster, wait_no_actors = _ray.local_cluster, _ray.wait_no_actors
 
 pytestmark = [pytest.mark.fastfeed_only, pytest.mark.hang_limit(120)]
 
@@ -114,3 +118,12 @@ def test_info_shows_the_connected_clusters_nodes_and_cpus(cluster):
     shown = json.loads(proc.stdout)["ray"]
     assert shown["status"] == f"running at RAY_ADDRESS={address}", shown
     assert shown["cluster"]["cpus"] == sum(NODE_CPUS) and len(shown["cluster"]["nodes"]) == 1 + len(NODE_CPUS)
+
+
+def test_the_tuner_measures_a_mixed_setting_on_the_cluster(cluster):
+    """A remote Setting runs as a ("process", "ray") loader of local + remote workers, measured, then stopped."""
+    setting = Setting("process", 1, 2, 2)
+    trial = measure.run(fastfeed.DataLoader, torch.arange(256).float(), {"batch_size": 8}, setting, None,
+                        tolerance=0.5, deadline=time.monotonic() + 60, window_s=0.2)  # fmt: skip
+    assert trial.windows and trial.median > 0 and trial.load_s is not None
+    assert wait_no_actors() == []

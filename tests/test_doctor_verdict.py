@@ -22,8 +22,8 @@ def test_cpu_bound_workers_on_busy_cores_are_input_cpu_and_get_no_more_workers()
     tl = make([0.010] * N, [0.010] * N, worker_s=0.040, worker_cpu=0.95, samples={"cpu_busy": 0.98, "main_cpu": 0.1})
     v = diagnose(tl)
     assert (v.bottleneck, v.cause, v.severity) == ("input", "cpu", "highly")
-    local = [a for a in v.advice if a["setting"] and "num_workers" in a["setting"] and "worker_type" not in a["setting"]]
-    assert not local  # only remote ones (tests/test_doctor_ray.py)
+    settings = [a["setting"] for a in v.advice if a["setting"]]
+    assert not [s for s in settings if "num_workers" in s and "worker_type" not in s]  # Ray's: test_doctor_ray.py
     assert "no core" in v.advice[0]["why"]
 
 

@@ -65,7 +65,8 @@ def test_the_probe_reads_a_running_clusters_summary_from_a_child(ray_installed, 
 
 def test_no_cluster_is_a_state_with_the_reason(ray_installed, monkeypatch):
     """The child's connection error becomes the status; info still renders."""
-    monkeypatch.setattr(info, "_RAY_PROBE", "import json; print(json.dumps({'error': 'RuntimeError: ray start --head'}))")
+    probe = "import json; print(json.dumps({'error': 'RuntimeError: ray start --head'}))"
+    monkeypatch.setattr(info, "_RAY_PROBE", probe)
     ray = info._ray()
     assert ray["cluster"] is None and "no cluster connected" in ray["status"] and "ray start --head" in ray["status"]
     assert info._render_ray(ray) == [f"ray 9.9.9: {ray['status']}"]

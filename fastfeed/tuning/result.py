@@ -163,7 +163,8 @@ class TuneResult:
             s = t.setting
             mark = "*" if s == chosen else " "
             pf = "-" if s.prefetch_factor is None else s.prefetch_factor
-            cells = f"{mark:2}{s.num_workers:>3} " + (f"{s.remote:>3} " if remote else "") + f"{pf:>3} {s.worker_type:<8}"
+            actors = f"{s.remote:>3} " if remote else ""
+            cells = f"{mark:2}{s.num_workers:>3} {actors}{pf:>3} {s.worker_type:<8}"
             if t.skipped:
                 rows.append(f"{cells} skipped: {t.skipped}")
             else:
