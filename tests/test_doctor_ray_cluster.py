@@ -127,3 +127,20 @@ def test_the_tuner_measures_a_mixed_setting_on_the_cluster(cluster):
                         tolerance=0.5, deadline=time.monotonic() + 60, window_s=0.2)  # fmt: skip
     assert trial.windows and trial.median > 0 and trial.load_s is not None
     assert wait_no_actors() == []
+
+
+def test_a_watched_mixed_loader_is_recorded_with_its_split_and_local_processes(cluster):
+    """Under a watch, a (1, 2) loader is recorded as process+ray with 3 workers, split [1, 2], and its one process."""
+    from fastfeed import doctor
+
+    loader = fastfeed.DataLoader(torch.arange(96).float(), batch_size=8, worker_type=("process", "ray"),
+                                 num_workers=(1, 2))  # fmt: skip
+    with doctor.watch() as report:
+        for _ in loader:
+            pass
+    rec = report.timeline.primary()
+    assert (rec.worker_type, rec.num_workers, rec.worker_split) == ("process+ray", 3, [1, 2])
+    assert len(rec.epochs[0].pids) == 1 and len(rec.epochs[0].workers) == 3
+    del loader, report
+    gc.collect()
+    assert wait_no_actors() == []

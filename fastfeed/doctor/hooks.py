@@ -104,11 +104,13 @@ def worker_kind(loader) -> tuple[str, list[int] | None]:
 
 
 def worker_pids(it) -> list[int]:
-    """The worker processes behind an iterator: torch's, fastfeed's ring (through a device stage), or none."""
+    """The worker processes behind an iterator: torch's, fastfeed's ring (through a device stage; a mixed loader's
+    local ones), or none."""
     it = getattr(it, "source", it)
     procs = getattr(it, "_workers", None)  # torch's iterator
     if procs is None:
         pool = getattr(it, "_pool", None)
+        pool = getattr(pool, "local", pool)  # a mixed pool's local processes; Ray actors are no processes of ours
         procs = [getattr(w, "process", None) for w in getattr(pool, "workers", ())]
     return [p.pid for p in procs or () if p is not None and p.pid is not None]
 
