@@ -76,9 +76,9 @@ def cluster():
     before = _leaks.children()
     with local_cluster(nodes=NODE_CPUS) as (c, nodes):
         # Warm up: Ray's driver state and its connections to each node open here, not inside a test whose
-        # descriptor check would count them (an actor on every CPU: both nodes).
-        loader = fastfeed.DataLoader(torch.arange(64).float(), batch_size=8, num_workers=sum(NODE_CPUS),
-                                     worker_type="ray")  # fmt: skip
+        # descriptor check would count them (an actor on each node).
+        loader = fastfeed.DataLoader(torch.arange(64).float(), batch_size=8, num_workers=len(NODE_CPUS),
+                                     worker_type="ray", ray_options={"scheduling_strategy": "SPREAD"})  # fmt: skip
         for _ in loader:
             pass
         del loader
