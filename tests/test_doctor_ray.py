@@ -159,3 +159,12 @@ def test_rerun_of_ray_advice_builds_fastfeeds_loaders_with_the_setting(monkeypat
     with pytest.raises(RuntimeError):
         whatif.rerun("train.py", [], False, 50, {"num_workers": 4})
     assert seen["to_fastfeed"] is False
+
+
+def test_the_warm_rate_leaves_out_each_workers_first_batch():
+    """Three workers whose first batches wait 2 s each (actors starting): the warm rate is the steady 50/s."""
+    from fastfeed.doctor.evidence import gather
+
+    ev = gather(make([2.0] * 3 + [0.010] * (N - 3), [0.010] * N, num_workers=3, **CPU_BOUND))
+    assert ev.warm_batches_per_s == pytest.approx(1 / 0.020)
+    assert ev.batches_per_s < 0.5 * ev.warm_batches_per_s
