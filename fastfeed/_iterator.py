@@ -166,20 +166,18 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         """Ray actors for workers ``local ..``, and worker processes for the first ``local`` (the mixed form)."""
         from ._workers import ray_connect, ray_pool
 
-        ray = ray_connect.connect()
-        if loader._ff_ray_spare is None:
-            loader._ff_ray_spare = ray_pool.Spare()
         ring = self._ring
-        writer = SlotWriter(ring.control, lambda claimed: ring.segment(claimed.slot_id), ring.numa_node)
-        replay = next(iter(self._index_sampler)) if self._dataset_kind == _DatasetKind.Iterable else None
         try:
-            actors = ray_pool.RayPool(
-                ray, remote, local, spec._replace(placement=None), [self._worker_resume(w) for w in
-                                                                     range(local, local + remote)],
-                writer, loader.ray_options, loader._ff_ray_spare, dump_s, replay, self._unrecoverable(),
-            )  # fmt: skip
+            ray = ray_connect.connect()
+            if loader._ff_ray_spare is None:
+                loader._ff_ray_spare = ray_pool.Spare()
+            writer = SlotWriter(ring.control, lambda claimed: ring.segment(claimed.slot_id), ring.numa_node)
+            replay = next(iter(self._index_sampler)) if self._dataset_kind == _DatasetKind.Iterable else None
+            resumes = [self._worker_resume(w) for w in range(local, local + remote)]
+            actors = ray_pool.RayPool(ray, remote, local, spec._replace(placement=None), resumes, writer,
+                                      loader.ray_options, loader._ff_ray_spare, dump_s, replay, self._unrecoverable())
         except BaseException:
-            self._ring.in_use = False
+            ring.in_use = False  # no worker of this iterator writes into it
             raise
         if not local:
             return actors
@@ -189,7 +187,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
             procs = Pool(context, local, worker_main, lambda wid: (wid, spec, parent, self._worker_resume(wid)), dump_s)
         except BaseException:
             actors.stop()
-            self._ring.in_use = False
+            ring.in_use = False
             raise
         return ray_pool.MixedPool(procs, actors)
 

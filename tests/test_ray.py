@@ -217,6 +217,12 @@ def test_local_processes_and_ray_actors_in_one_loader_equal_torch(cluster):
     got = _epochs(fastfeed.DataLoader(data, batch_size=3, num_workers=(2, 1), worker_type=("process", "ray"),
                                       shuffle=True, generator=torch.Generator().manual_seed(5)))  # fmt: skip
     assert_same(got, ref)
+    # Out of order, over an iterable whose local worker ends long before the actor: the same samples.
+    ref = _torch(ds.UnevenIterable(n=23), batch_size=2, num_workers=2)[0]
+    got = _epochs(fastfeed.DataLoader(ds.UnevenIterable(n=23), batch_size=2, num_workers=(1, 1), in_order=False,
+                                      worker_type=("process", "ray")))[0]  # fmt: skip
+    key = lambda b: int(b["index"][0])  # noqa: E731
+    assert_same(sorted(got, key=key), sorted(ref, key=key))
 
 
 def test_ray_options_place_the_actors(cluster):
@@ -241,6 +247,26 @@ def test_bad_arguments_say_what_to_pass():
         fastfeed.DataLoader(data, num_workers=1, ray_options={"num_cpus": 1})
     with pytest.raises(ValueError, match="the one pair of worker types"):
         fastfeed.DataLoader(data, worker_type=("thread", "ray"), num_workers=(1, 1))
+
+
+def test_an_actor_with_no_room_on_the_cluster_raises_instead_of_waiting(cluster, monkeypatch):
+    """An actor no node can host (more CPUs than any has) raises after the start timeout, naming what to change."""
+    monkeypatch.setenv("FASTFEED_RAY_START_TIMEOUT_S", "2")
+    loader = fastfeed.DataLoader(torch.arange(8), batch_size=2, num_workers=1, worker_type="ray",
+                                 ray_options={"num_cpus": 64})  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"found no node with room for it in 2 s \(actor options \{'num_cpus': 64"):
+        next(iter(loader))
+    del loader
+    gc.collect()
+    assert wait_no_actors() == []
+
+
+def test_without_ray_installed_the_error_names_the_extra(monkeypatch):
+    """Where Ray is not installed, a Ray loader says which extra installs it (and building one needs nothing)."""
+    monkeypatch.setitem(sys.modules, "ray", None)
+    loader = fastfeed.DataLoader(torch.arange(8), batch_size=2, num_workers=1, worker_type="ray")
+    with pytest.raises(ImportError, match=r"pip install 'fastfeed\[ray\]'"):
+        iter(loader)
 
 
 def test_kill_9_of_an_actor_mid_epoch_loses_and_repeats_nothing(cluster, capfd):

@@ -145,7 +145,7 @@ class RayPool:
         options: Ray's actor options (``ray_options``), over ``DEFAULT_OPTIONS``.
         spare: the loader's ``Spare`` actors, taken first and given back at a clean stop.
         replay_index: what one task of an IterableDataset asks for (a replacement replays with it).
-        recoverable: why a lost worker's position cannot be rebuilt in a persistent later epoch, or None.
+        unrecoverable: why a lost worker's position cannot be rebuilt in a persistent later epoch, or None.
     """
 
     def __init__(self, ray, num_workers: int, first_id: int, spec, resumes, writer: SlotWriter, options=None,
@@ -424,6 +424,7 @@ class MixedPool:
         self.local, self.remote = local, remote
         self._split = remote.first_id
         self.hang_dump_s = local.hang_dump_s
+        self._retired: set = set()  # local workers told to stop (their iterable ended): their exit is no death
 
     def _of(self, wid: int):
         return self.local if wid < self._split else self.remote
@@ -450,6 +451,8 @@ class MixedPool:
         return self._of(wid).ready(wid)
 
     def retire(self, wid) -> None:
+        if wid < self._split:
+            self._retired.add(wid)
         self._of(wid).retire(wid)
 
     def recv_any(self, timeout):
@@ -458,7 +461,7 @@ class MixedPool:
         n_local = self._split
         while True:
             for wid in range(n_local):
-                if self.local.workers and self.local.ready(wid):
+                if wid not in self._retired and self.local.workers and self.local.ready(wid):
                     return self.local.recv(wid, timeout)
             for w in self.remote.workers:
                 if w.pending and self.remote.ready(w.wid):
