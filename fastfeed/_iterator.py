@@ -28,7 +28,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_in
 from . import _pinning, _state, affinity, config, stats
 from ._ring import fence, layout
 from ._workers import messages as m
-from ._workers.loop import WorkerSpec, preload, worker_main
+from ._workers.loop import SlotWriter, WorkerSpec, preload, worker_main
 from ._workers.pool import STATUS_CHECK_S, Pool, WorkerDied
 from ._workers.threads import ThreadPool, thread_worker_main
 
@@ -135,12 +135,15 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         if self._threads and resume and resume.get("dataset") is not None:  # the one object the threads share
             loader.dataset.load_state_dict(copy.deepcopy(resume["dataset"]))
         dump_s = config.hang_dump_s()
+        local, remote = loader.worker_split if loader.worker_type != "thread" else (self._num_workers, 0)
         if self._threads:
             ring = self._ring  # not self: the threads must not keep this iterator alive
             self._pool = ThreadPool(
                 self._num_workers, thread_worker_main,
                 lambda wid: (wid, spec, ring.control, lambda claimed: ring.segment(claimed.slot_id)), dump_s,
             )  # fmt: skip
+        elif remote:
+            self._pool = self._ray_pool(loader, spec, context, local, remote, dump_s)
         else:
             preload()
             parent = os.getpid()
@@ -156,8 +159,52 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
                 raise
         self._shutdown = False
         _live.add(self)
-        if self._threads:
+        if self._threads or remote:
             self._start_epoch(loader, self._pool)
+
+    def _ray_pool(self, loader, spec, context, local: int, remote: int, dump_s: float):
+        """Ray actors for workers ``local ..``, and worker processes for the first ``local`` (the mixed form)."""
+        from ._workers import ray_connect, ray_pool
+
+        ring = self._ring
+        try:
+            ray = ray_connect.connect()
+            if loader._ff_ray_spare is None:
+                loader._ff_ray_spare = ray_pool.Spare()
+            writer = SlotWriter(ring.control, lambda claimed: ring.segment(claimed.slot_id), ring.numa_node)
+            replay = next(iter(self._index_sampler)) if self._dataset_kind == _DatasetKind.Iterable else None
+            resumes = [self._worker_resume(w) for w in range(local, local + remote)]
+            actors = ray_pool.RayPool(ray, remote, local, spec._replace(placement=None), resumes, writer,
+                                      loader.ray_options, loader._ff_ray_spare, dump_s, replay, self._unrecoverable())
+        except BaseException:
+            ring.in_use = False  # no worker of this iterator writes into it
+            raise
+        if not local:
+            return actors
+        preload()
+        parent = os.getpid()
+        try:
+            procs = Pool(context, local, worker_main, lambda wid: (wid, spec, parent, self._worker_resume(wid)), dump_s)
+        except BaseException:
+            actors.stop()
+            ring.in_use = False
+            raise
+        return ray_pool.MixedPool(procs, actors)
+
+    def _unrecoverable(self) -> str | None:
+        """Why a lost Ray actor's position could not be rebuilt in a later epoch of persistent workers, or None.
+
+        A replacement gets the dataset as it was shipped; an IterableDataset that keeps its position in itself
+        across epochs (and cannot save it: no ``state_dict``) has moved on from that copy in the lost actor.
+        """
+        if self._dataset_kind != _DatasetKind.Iterable or not self._persistent_workers:
+            return None
+        if _state.is_stateful(self._dataset):
+            return None
+        return (f"its {type(self._dataset).__name__} (an IterableDataset without state_dict()/load_state_dict()) "
+                "had iterated in that actor since the first epoch of persistent workers, and a new actor gets the "
+                "dataset as first shipped; give the dataset state_dict()/load_state_dict(), or use "
+                "persistent_workers=False (each epoch ships the dataset anew)")
 
     def _start_epoch(self, loader, pool) -> None:
         """Send the first tasks (``pool`` may still be starting its other workers)."""

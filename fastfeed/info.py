@@ -4,15 +4,31 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import os
 import shutil
+import subprocess
+import sys
 
 import torch
 
 from . import _native, config, topology
 from ._version import __version__
 
-_ENV = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
+_ENV = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "RAY_ADDRESS")
+RAY_PROBE_S = 15.0  # importing Ray and asking a cluster for its nodes; a stale address must not hang `fastfeed info`
+
+# Run in a child: ray.init(address="auto") connects to a running cluster (RAY_ADDRESS, or the one `ray start` left
+# its address for) and never starts one; the child's exit ends the connection, and a timeout can kill it.
+_RAY_PROBE = """
+import json
+try:
+    from fastfeed._workers import ray_connect
+    ray_connect.connect()
+    print(json.dumps({"cluster": ray_connect.cluster_summary()}))
+except Exception as e:
+    print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+"""
 
 
 def _package(module: str, dist: str) -> str | None:
@@ -42,6 +58,40 @@ def _nvml() -> str:
         return f"driver {pynvml.nvmlSystemGetDriverVersion()}"
     finally:
         pynvml.nvmlShutdown()
+
+
+def _ray(timeout_s: float = RAY_PROBE_S) -> dict:
+    """Ray's version and, when a cluster is connected or running, its nodes and CPUs (``ray_connect``'s summary).
+
+    This process's own ``ray.init`` is read as it is; otherwise a child process tries ``ray.init(address="auto")``
+    for at most ``timeout_s``. ``status`` says which, or why there is no cluster.
+    """
+    version = _package("ray", "ray")
+    if version is None:
+        return {"version": None, "cluster": None, "status": "not installed (pip install 'fastfeed[ray]')"}
+    ray = sys.modules.get("ray")  # never imported here: that alone takes seconds
+    if ray is not None and ray.is_initialized():
+        from ._workers import ray_connect
+
+        return {"version": version, "cluster": ray_connect.cluster_summary(), "status": "connected (this process)"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this fastfeed, whatever the child's path
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    where = f"RAY_ADDRESS={os.environ['RAY_ADDRESS']}" if os.environ.get("RAY_ADDRESS") else 'address="auto"'
+    try:
+        proc = subprocess.run([sys.executable, "-c", _RAY_PROBE], capture_output=True, text=True, env=env,
+                              timeout=timeout_s, check=False)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {"version": version, "cluster": None,
+                "status": f"no answer from a cluster at {where} within {timeout_s:.0f} s"}  # fmt: skip
+    lines = proc.stdout.strip().splitlines()
+    try:
+        answer = json.loads(lines[-1]) if lines else {}
+    except json.JSONDecodeError:
+        answer = {}
+    if answer.get("cluster"):
+        return {"version": version, "cluster": answer["cluster"], "status": f"running at {where}"}
+    why = answer.get("error") or (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+    return {"version": version, "cluster": None, "status": f"no cluster connected at {where} ({why})"}
 
 
 def _pinning() -> str:
@@ -92,6 +142,7 @@ def report() -> dict:
             "dali": _package("nvidia.dali", "nvidia-dali-cuda120"),
             "kvikio": _package("kvikio", "kvikio-cu12"),
         },
+        "ray": _ray(),
         "reader": _reader(),
         "shm": [_shm("/dev/shm")] + ([_shm(config.shm_dir())] if config.shm_dir() != "/dev/shm" else []),
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("FASTFEED_") or k in _ENV},
@@ -123,6 +174,7 @@ def render(info: dict) -> str:
                      f"{p['main_cpus'] or '(unchanged)'}, memory policy {p['mempolicy']}")  # fmt: skip
         lines.append(f"  why: {p['note']}")
     lines.append("available: " + ", ".join(f"{k} {v or 'no'}" for k, v in info["available"].items()))
+    lines += _render_ray(info["ray"])
     r = info["reader"]
     lines.append(f"reader='auto' for ArrayFiles on a GPU: {r['auto']} ({r['why']})")
     for shm in info["shm"]:
@@ -131,3 +183,19 @@ def render(info: dict) -> str:
     if info["env"]:
         lines.append("env: " + " ".join(f"{k}={v}" for k, v in info["env"].items()))
     return "\n".join(lines)
+
+
+def _render_ray(ray: dict) -> list[str]:
+    if ray["version"] is None:
+        return [f"ray: {ray['status']}"]
+    cluster = ray["cluster"]
+    if not cluster:
+        return [f"ray {ray['version']}: {ray['status']}"]
+    nodes = cluster["nodes"]
+    alive = [n for n in nodes if n["alive"]]
+    lines = [f"ray {ray['version']}: {ray['status']}, {len(alive)} node(s) alive of {len(nodes)}, "
+             f"{cluster['cpus']:g} CPUs"]  # fmt: skip
+    for n in nodes:
+        lines.append(f"  ray node {n['node_id'][:12]} {n['address']}: {n['cpus']:g} CPUs"
+                     + ("" if n["alive"] else " (dead)"))  # fmt: skip
+    return lines

@@ -23,7 +23,8 @@ from . import _hooks, _state, affinity, stats, transfer
 from ._iterator import RingDataLoaderIter
 from ._ring.ring import Ring
 from ._single import SingleProcessIter
-from ._workers import WORKER_TYPES
+from . import _workers
+from ._workers import WORKER_TYPES  # noqa: F401 (its old home; fastfeed.tune chooses among them)
 from .io import gds
 from .io.arrays import ArrayFiles
 from .io import direct
@@ -49,7 +50,12 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             ``num_workers`` workers are threads of this process, for datasets whose
             work releases the GIL (image decoding, native readers) or free-threaded
             Python. Same batches, order and errors; threads share the process's global
-            RNGs and the one dataset object (see ``fastfeed._workers.threads``).
+            RNGs and the one dataset object (see ``fastfeed._workers.threads``). ``"ray"``: the
+            workers are actors of a running Ray cluster (``ray_options``: their actor options, e.g.
+            ``num_cpus``, ``resources``, ``scheduling_strategy``), with process workers' semantics;
+            a lost actor or node is replaced and its batches redone. ``("process", "ray")`` with
+            ``num_workers=(local, remote)``: local processes and Ray actors in one loader (see
+            ``fastfeed._workers.ray_pool``).
         device: ``None`` (CPU batches, as torch), ``"cuda"``/``"cuda:N"`` or ``"cpu"``. With
             a CUDA device, batches arrive on it: copied from the pinned ring slots with
             ``non_blocking=True`` on a dedicated stream, and your current stream waits for
@@ -76,7 +82,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
 
     def __init__(
         self, *args, worker_type: str = "process", device=None, device_transform=None, device_prefetch: int = 1,
-        numa="auto", reader=None, **kwargs,
+        numa="auto", reader=None, ray_options=None, **kwargs,
     ):  # fmt: skip
         """``num_workers`` and ``prefetch_factor`` also take ``"auto"``: see ``fastfeed.tuning.auto``.
 
@@ -88,9 +94,20 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         device on the side stream. ``"auto"`` takes GDS where kvikio, libcuda and a GPU are present (``fastfeed
         info`` says which). None: the usual path.
         """
-        if worker_type not in WORKER_TYPES:
-            raise ValueError(f"worker_type must be one of {WORKER_TYPES}, got {worker_type!r}")
+        args, worker_type, split = _split_workers(args, kwargs, worker_type)
+        if ray_options is not None and not _workers.uses_ray(worker_type):
+            raise ValueError(f"ray_options are Ray's actor options, and worker_type={worker_type!r} starts no actors: "
+                             "pass worker_type='ray' (or ('process', 'ray')), or leave ray_options unset")  # fmt: skip
+        if ray_options is not None and not isinstance(ray_options, dict):
+            raise ValueError(f"ray_options must be a dict of Ray actor options (num_cpus, resources, "
+                             f"scheduling_strategy, ...), got {type(ray_options).__name__}")  # fmt: skip
         args, auto = tuning_auto.take(args, kwargs)
+        if auto is not None and _workers.uses_ray(worker_type):
+            raise ValueError("num_workers/prefetch_factor='auto' tune local workers; with Ray actors give the counts "
+                             "(fastfeed.tune(..., remote=...) measures how many actors pay)")  # fmt: skip
+        # Before torch's __init__, whose worker-count check counts local workers only (see below).
+        self.worker_type = worker_type
+        self._ff_local = split[0] if worker_type == _workers.MIXED else None  # the mixed form's local processes
         super().__init__(*args, **kwargs)
         self._ff_stage = transfer.plan(device, device_transform, device_prefetch)
         self._ff_made = {"device": device, "device_transform": device_transform, "device_prefetch": device_prefetch}
@@ -110,7 +127,11 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                     "worker_type='thread' does not support DataPipes (sharding and seeding change the one "
                     "shared graph); use worker_type='process'"
                 )
+        if worker_type == _workers.RAY and self.multiprocessing_context is not None:
+            raise ValueError("multiprocessing_context applies to worker processes; worker_type='ray' starts Ray "
+                             "actors. Pass one or the other.")  # fmt: skip
         self.worker_type = worker_type
+        self.ray_options = ray_options
         self.reader = _reader(reader, self.dataset, self.device)
         if self.reader == "gds":
             self._read_direct()
@@ -137,6 +158,15 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     _ff_stats = None  # the latest iterator's stats.Recorder
     _ff_lookahead = 0  # batches a wrapper around this loader reads ahead of its consumer (fastfeed.accelerate)
     _ff_gds_threads = None  # reader="gds": kvikio's threads, this rank's CPUs (the NUMA plan's share)
+    _ff_ray_spare = None  # Ray actors kept between epochs (fastfeed._workers.ray_pool.Spare)
+
+    @property
+    def worker_split(self) -> tuple[int, int]:
+        """``(local workers, Ray actors)``: ``(num_workers, 0)`` for processes or threads, ``(0, num_workers)`` for
+        ``worker_type="ray"``, the pair given for ``("process", "ray")``."""
+        if self.worker_type == _workers.MIXED:
+            return self._ff_local, self.num_workers - self._ff_local
+        return (0, self.num_workers) if self.worker_type == _workers.RAY else (self.num_workers, 0)
 
     def stats(self) -> stats.Stats:
         """What the latest iterator measured: throughput, stall fraction, waits, steps, workers' load.
@@ -176,8 +206,19 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
 
     def check_worker_number_rationality(self):
         # A count the tuner chose by measuring, above the cores or not, needs no warning about it.
-        if self.tune_result is None or self.num_workers != self.tune_result.num_workers:
+        if self.tune_result is not None and self.num_workers == self.tune_result.num_workers:
+            return
+        local = self.worker_split[0] if _workers.uses_ray(getattr(self, "worker_type", None)) else None
+        if local is None:
             super().check_worker_number_rationality()
+            return
+        # Ray actors run on the cluster's CPUs: only the local processes count against this machine's cores.
+        total = self.num_workers
+        self.num_workers = local
+        try:
+            super().check_worker_number_rationality()
+        finally:
+            self.num_workers = total
 
     def _ring_for(self, quiet: int, pin: bool, numa_node: int | None, device: int = -1) -> Ring:
         """The ring of batch slots for a new iterator: the last one, unless another iterator still writes into it.
@@ -404,6 +445,19 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             )
         # Positions are the sampler's: the epoch continues where it was, its workers' random streams start afresh.
         return dict(state, num_workers=ours, workers=None, next_worker=0)
+
+
+def _split_workers(args: tuple, kwargs: dict, worker_type) -> tuple:
+    """``worker_type`` and ``num_workers`` checked together; a ``(local, remote)`` pair becomes torch's total."""
+    positional = len(args) > tuning_auto.NUM_WORKERS_INDEX
+    nw = args[tuning_auto.NUM_WORKERS_INDEX] if positional else kwargs.get("num_workers", 0)
+    worker_type, total, split = _workers.split(worker_type, nw)
+    if total is not nw:
+        if positional:
+            args = (*args[: tuning_auto.NUM_WORKERS_INDEX], total, *args[tuning_auto.NUM_WORKERS_INDEX + 1:])
+        else:
+            kwargs["num_workers"] = total
+    return args, worker_type, split
 
 
 def _positions_in_order(dataset) -> bool:

@@ -50,10 +50,13 @@ def test_too_few_workers_on_idle_cores_is_input_workers_and_the_advice_helps_whe
 
 
 def test_every_core_busy_decoding_is_input_cpu():
-    """As many decoding workers as cores, and a short step: input/cpu, with no advice to add workers."""
+    """As many decoding workers as cores, and a short step: input/cpu, with no advice to add local workers (only
+    remote ones: tests/test_doctor_ray.py)."""
     r = run_doctor("--workers", str(CPUS), "--step-ms", "2", whatif=False)
     assert verdict(r) == ("input", "cpu"), (r["verdict"], r["system"])
-    assert not any(a["setting"] and "num_workers" in a["setting"] for a in r["advice"])
+    assert not any(a["setting"] and "num_workers" in a["setting"] and "worker_type" not in a["setting"]
+                   for a in r["advice"])  # fmt: skip
+    assert any("ray" in a["change"] for a in r["advice"]), r["advice"]
 
 
 def test_reads_that_wait_are_input_io_and_more_workers_help_when_rerun():

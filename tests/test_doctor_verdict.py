@@ -18,11 +18,12 @@ N = 200
 
 
 def test_cpu_bound_workers_on_busy_cores_are_input_cpu_and_get_no_more_workers():
-    """Workers busy computing with every core busy: input/cpu, and no advice to add workers."""
+    """Workers busy computing with every core busy: input/cpu, and no advice to add local workers."""
     tl = make([0.010] * N, [0.010] * N, worker_s=0.040, worker_cpu=0.95, samples={"cpu_busy": 0.98, "main_cpu": 0.1})
     v = diagnose(tl)
     assert (v.bottleneck, v.cause, v.severity) == ("input", "cpu", "highly")
-    assert not any(a["setting"] and "num_workers" in a["setting"] for a in v.advice)
+    settings = [a["setting"] for a in v.advice if a["setting"]]
+    assert not [s for s in settings if "num_workers" in s and "worker_type" not in s]  # Ray's: test_doctor_ray.py
     assert "no core" in v.advice[0]["why"]
 
 
@@ -53,6 +54,13 @@ def test_workers_busy_without_using_a_cpu_are_blocked_in_reads():
     assert "prefetch(indices)" in v.advice[1]["change"]
     tl.loaders[0].prefetch = True  # a dataset that reads ahead already is not told to
     assert not any("prefetch(indices)" in a["change"] for a in diagnose(tl).advice)
+
+
+def test_workers_short_of_a_core_on_busy_cores_are_input_cpu_not_blocked_in_reads():
+    """8 CPU-bound workers on 2 busy cores use a quarter core each while always busy: waiting for a core, input/cpu."""
+    tl = make([0.010] * N, [0.010] * N, num_workers=8, worker_s=0.16, worker_cpu=0.25,
+              samples={"cpu_busy": 0.99, "main_cpu": 0.1, "iowait": 0.0})  # fmt: skip
+    assert diagnose(tl).cause == "cpu"
 
 
 def test_a_slow_step_is_compute():

@@ -266,7 +266,7 @@ def test_restarts_keep_threads_fds_and_segments_flat(persistent):
 
 def test_bad_worker_type_and_conflicting_arguments_are_clear_errors():
     """An unknown worker_type, a multiprocessing_context or a DataPipe with threads raise ValueErrors that say why."""
-    with pytest.raises(ValueError, match=r"worker_type must be one of \('process', 'thread'\), got 'threads'"):
+    with pytest.raises(ValueError, match=r"worker_type must be one of \('process', 'thread', 'ray'\) or \('process', 'ray'\), got 'threads'"):
         fastfeed.DataLoader(WhoMap(4), worker_type="threads")
     with pytest.raises(ValueError, match="multiprocessing_context applies to worker processes"):
         threads(dataset=WhoMap(4), num_workers=2, multiprocessing_context="fork")

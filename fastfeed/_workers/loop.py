@@ -77,30 +77,36 @@ class SlotWriter:
             hit = self.mapped[claimed.slot_id] = (claimed.name, torch.frombuffer(seg, dtype=torch.uint8))
         return hit[1]
 
+    def claim(self, nbytes: int) -> tuple[int | None, str | None, torch.Tensor]:
+        """Memory for a batch of ``nbytes``: ``(slot_id, made, base)``, a free slot or a segment of our own."""
+        claimed = self.control.claim()  # only now: a task waiting its turn holds no memory
+        if claimed is not None and nbytes <= claimed.size:
+            return claimed.slot_id, None, self._base(claimed)
+        # No slot free, or it is too small: a segment of our own, which the
+        # ring adopts. A replacement gets headroom, as sizes evidently vary.
+        size = nbytes if claimed is None else nbytes + nbytes // 4
+        seg = segments.create(self.control.prefix, segments.pages(size), self.numa_node)
+        if claimed is None:
+            self.control.made_one()
+        return (None if claimed is None else claimed.slot_id), seg.name, torch.frombuffer(seg, dtype=torch.uint8)
+
+    def abandon(self, slot_id: int | None, made: str | None) -> None:
+        """Give back what ``claim`` gave, for a batch that will never be reported."""
+        if made:  # nobody will ever be told its name
+            segments.unlink(made)
+        if slot_id is not None:
+            self.control.release(slot_id)
+
     def write(self, task: m.Task, batch, worker_id: int, fetch_s=0.0, collate_s=0.0, since=0.0, timed=False) -> m.Done:
         """Write ``batch`` into a slot; ``timed``: its collate time runs on from ``since`` to the end of the write."""
         payload, objs, leaves, nbytes = layout.plan(batch)
         slot_id = made = None
         if nbytes:
-            claimed = self.control.claim()  # only now: a task waiting its turn holds no memory
-            if claimed is not None and nbytes <= claimed.size:
-                slot_id, base = claimed.slot_id, self._base(claimed)
-            else:
-                # No slot free, or it is too small: a segment of our own, which the
-                # ring adopts. A replacement gets headroom, as sizes evidently vary.
-                size = nbytes if claimed is None else nbytes + nbytes // 4
-                seg = segments.create(self.control.prefix, segments.pages(size), self.numa_node)
-                if claimed is None:
-                    self.control.made_one()
-                slot_id, made = (None if claimed is None else claimed.slot_id), seg.name
-                base = torch.frombuffer(seg, dtype=torch.uint8)
+            slot_id, made, base = self.claim(nbytes)
             try:
                 layout.fill(base, objs, leaves)
             except BaseException:
-                if made:  # nobody will ever be told its name
-                    segments.unlink(made)
-                if slot_id is not None:
-                    self.control.release(slot_id)
+                self.abandon(slot_id, made)
                 raise
         done_at = 0.0
         if timed:
@@ -240,14 +246,16 @@ def worker_main(worker_id, spec: WorkerSpec, parent_pid, resume, task_conn, resu
         pass  # the main process is gone; nobody is left to tell
 
 
-def serve(worker_id, spec: WorkerSpec, dataset, writer: SlotWriter, get, put, resume=None, *, thread=False):
+def serve(worker_id, spec: WorkerSpec, dataset, writer: SlotWriter, get, put, resume=None, *, thread=False,
+          where: str | None = None):
     """Answer tasks until ``get()`` returns ``Stop`` or None.
 
     ``thread``: this worker is a thread. It keeps no RNG snapshots for
     ``DataLoader.state_dict()``, since the RNGs it draws from are the process's.
+    ``where``: how errors name this worker (default: its kind and id, as torch's).
     """
     track_state = not thread
-    where = f"in DataLoader worker {'thread' if thread else 'process'} {worker_id}"
+    where = where or f"in DataLoader worker {'thread' if thread else 'process'} {worker_id}"
     collate_fn = layout.slot_collate if spec.use_slot_collate else spec.collate_fn
     kind = spec.dataset_kind
     clock = time.perf_counter

@@ -62,10 +62,15 @@ def examine(target: str, argv: list[str], module: bool = False, steps: int = 300
     if run is None:
         skipped["closing"] = f"with {best['change']}: {why}"
         return report
+    overall = run["samples_per_s"] / measured if measured else None
+    # Compared once every worker has made its first batch: a short run must not count starting more workers (or
+    # Ray actors, which take seconds) against a setting a training run starts once.
+    warm, warm_now = run.get("warm_batches_per_s"), verdict.evidence.get("warm_batches_per_s")
     report.whatif["closing"] = {**run, "change": best["change"], "setting": best["setting"],
                                 "predicted_samples_per_s": best["predicted_samples_per_s"],
                                 "predicted_gain": best["predicted_gain"],
-                                "gain": run["samples_per_s"] / measured if measured else None}  # fmt: skip
+                                "gain": warm / warm_now if warm and warm_now else overall,
+                                "gain_with_startup": overall}  # fmt: skip
     return report
 
 

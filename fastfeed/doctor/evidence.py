@@ -59,13 +59,14 @@ class Evidence:
     worker_batch_s: float | None = None  # fetch + collate per batch, mean over workers
     fetch: list = field(default_factory=list)
     worker_busy: list = field(default_factory=list)  # per worker: (fetch + collate) / span
-    worker_cpu: float | None = None  # mean CPU (cores) of one worker process
+    worker_cpu: float | None = None  # mean CPU (cores) of one local worker process
     h2d_p50_s: float | None = None
     ready_mean: float | None = None
     system: dict = field(default_factory=dict)  # means of the sampler's figures over the span
     cpus: int = 1
     gpu: bool = False
     distributed_s: float = 0.0
+    warm_batches_per_s: float | None = None  # with each epoch's first round (a batch from every worker) left out
 
     @property
     def loop_s(self) -> float:
@@ -120,9 +121,14 @@ def gather(tl: Timeline) -> Evidence:
     if rec is None or rec.batches == 0:
         return ev
     spans, busy, worker_time, pids, ready, h2d = [], [], [], set(), [], []
+    first_round = max(1, rec.num_workers)  # round robin: batch k of an epoch carries worker k's start-up
+    warm_n, warm_s = 0, 0.0
     for epoch in rec.epochs:
         if not epoch.asks:
             continue
+        if len(epoch.asks) > first_round + 1:  # one batch per interval from ask to ask
+            warm_n += len(epoch.asks) - 1 - first_round
+            warm_s += epoch.asks[-1] - epoch.asks[first_round]
         waits, steps = epoch.waits(), epoch.steps()
         ev.epochs += 1
         ev.first_wait_s += waits[0]
@@ -141,6 +147,7 @@ def gather(tl: Timeline) -> Evidence:
             worker_time += [f + c for f, c in zip(w.fetch, w.collate)]
             ev.fetch += w.fetch
     ev.batches = len(ev.waits)
+    ev.warm_batches_per_s = warm_n / warm_s if warm_n and warm_s > 0 else None
     ev.wait_s, ev.step_s = sum(ev.waits), sum(ev.steps)
     ev.span_s = sum(b - a for a, b in spans)
     ev.worker_busy = [min(1.0, b / ev.span_s) for b in busy] if ev.span_s > 0 else []
@@ -153,6 +160,6 @@ def gather(tl: Timeline) -> Evidence:
                              "gpu_util", "gpu_mem_util", "pcie_rx_mbps", "pcie_tx_mbps")}  # fmt: skip
     ev.system["disk_read_mbps_cv"] = cv([s.get("disk_read_mbps") for s in inside])
     per_sample = [sum(v for p, v in (s.get("proc_cpu") or {}).items() if int(p) in pids) for s in inside]
-    if pids and per_sample and rec.num_workers:
-        ev.worker_cpu = statistics.fmean(per_sample) / rec.num_workers
+    if pids and per_sample and rec.local_workers:  # Ray actors are no processes of ours: the local ones share it
+        ev.worker_cpu = statistics.fmean(per_sample) / rec.local_workers
     return ev

@@ -75,11 +75,12 @@ class _Seen:
             )  # fmt: skip
         else:
             fast = isinstance(loader, FastLoader)
+            worker_type, split = worker_kind(loader)
             self.info = LoaderRecord(
                 id=ident, kind="fastfeed" if fast else "torch", made_at=made_at, num_workers=loader.num_workers,
-                prefetch_factor=loader.prefetch_factor, batch_size=loader.batch_size,
-                worker_type=getattr(loader, "worker_type", "process"), persistent_workers=loader.persistent_workers,
-                pin_memory=loader.pin_memory, prefetch=callable(getattr(loader.dataset, "prefetch", None)),
+                prefetch_factor=loader.prefetch_factor, batch_size=loader.batch_size, worker_type=worker_type,
+                persistent_workers=loader.persistent_workers, pin_memory=loader.pin_memory,
+                prefetch=callable(getattr(loader.dataset, "prefetch", None)), worker_split=split,
             )  # fmt: skip
         self.epochs: list[_Epoch] = []
 
@@ -88,12 +89,28 @@ class _Seen:
         return self.info
 
 
+def worker_kind(loader) -> tuple[str, list[int] | None]:
+    """A loader's worker type as the timeline records it (a string: it goes to JSON), and its ``[local, remote]``
+    split when some of its workers are Ray actors (``loader.num_workers`` is then their sum)."""
+    worker_type = getattr(loader, "worker_type", "process")
+    if isinstance(worker_type, (tuple, list)):  # fastfeed's mixed form, ("process", "ray")
+        worker_type = "+".join(worker_type)
+    split = getattr(loader, "worker_split", None)
+    if "ray" not in worker_type:
+        return worker_type, None
+    if split is None:
+        split = (0, loader.num_workers) if worker_type == "ray" else (loader.num_workers, 0)
+    return worker_type, [int(split[0]), int(split[1])]
+
+
 def worker_pids(it) -> list[int]:
-    """The worker processes behind an iterator: torch's, fastfeed's ring (through a device stage), or none."""
+    """The worker processes behind an iterator: torch's, fastfeed's ring (through a device stage; a mixed loader's
+    local ones), or none."""
     it = getattr(it, "source", it)
     procs = getattr(it, "_workers", None)  # torch's iterator
     if procs is None:
         pool = getattr(it, "_pool", None)
+        pool = getattr(pool, "local", pool)  # a mixed pool's local processes; Ray actors are no processes of ours
         procs = [getattr(w, "process", None) for w in getattr(pool, "workers", ())]
     return [p.pid for p in procs or () if p is not None and p.pid is not None]
 
@@ -385,10 +402,12 @@ def _dali_override(kwargs: dict, overrides: dict) -> dict:
 
 def _override(args: tuple, kwargs: dict, overrides: dict) -> tuple[tuple, dict]:
     """A DataLoader call's arguments with ``overrides`` in force, bound by torch's signature (which every
-    subclass passes on); arguments only a subclass knows, such as fastfeed's ``worker_type``, pass as given."""
+    subclass passes on); arguments only a subclass knows, such as fastfeed's ``worker_type``, pass as given, or as
+    overridden."""
     own = {k: v for k, v in kwargs.items() if k not in _TORCH_ARGS.parameters}
     bound = _TORCH_ARGS.bind(None, *args, **{k: v for k, v in kwargs.items() if k not in own})
-    bound.arguments.update(overrides)
+    bound.arguments.update({k: v for k, v in overrides.items() if k in _TORCH_ARGS.parameters})
+    own.update({k: v for k, v in overrides.items() if k not in _TORCH_ARGS.parameters})  # BoundArguments drops them
     if bound.arguments.get("num_workers") == 0:  # torch refuses these without workers
         bound.arguments.pop("prefetch_factor", None)
         bound.arguments.pop("persistent_workers", None)

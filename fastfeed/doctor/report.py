@@ -6,7 +6,8 @@ JSON schema (``report.json``, ``"schema": "fastfeed.doctor/1"``), top-level keys
   transfer | numa), ``severity`` (highly ≥ 20% of the loop waiting | moderately ≥ 5% | not), ``line`` (the text).
 - ``stall_fraction``: Σwait / Σ(wait + step) of the training loader (the one that yielded the most batches).
 - ``steps``: that loader's batches, samples/s, wait and step quantiles (seconds), epochs, first-batch waits.
-- ``loader``: what it was (kind, made_at, num_workers, prefetch_factor, batch_size, ...).
+- ``loader``: what it was (kind, made_at, num_workers, prefetch_factor, batch_size, worker_type, ...;
+  ``worker_split``: ``[local, remote]`` when Ray actors are among its num_workers, else null).
 - ``workers``: busy fraction per worker, mean seconds per batch, CPU cores per worker process.
 - ``system``: means over the loader's span of the sampler's figures (``fastfeed.doctor.sampler``): cpu_busy,
   iowait, psi_cpu, psi_io, disk_read_mbps (and its cv), disk_read_ms, main_cpu, gpu_util, gpu_mem_util, pcie_*.
@@ -17,7 +18,8 @@ JSON schema (``report.json``, ``"schema": "fastfeed.doctor/1"``), top-level keys
 - ``advice``: ``{change, setting, why, predicted_samples_per_s, predicted_gain}``, best first.
 - ``whatif``: ``compute_ceiling``, ``input_ceiling``, ``input_ceiling_fastfeed``, ``closing``: each
   ``{samples_per_s, batches_per_s, batches, seconds, ...}`` or absent when not run; ``closing`` also has the
-  setting, the predicted and the measured samples/s.
+  setting, the predicted and the measured samples/s, and ``gain``: the measured rate over the recorded one, both
+  once every worker has made its first batch (``gain_with_startup``: with it).
 - ``command``, ``fastfeed``: what ran, and fastfeed's version.
 """
 
@@ -102,9 +104,11 @@ class Report:
                 lines.append(f"loader: DALILoader made at {ld['made_at']}, num_threads={ld['num_workers']}, "
                              f"prefetch_queue_depth={ld['prefetch_factor']}, batch_size={ld['batch_size']}")
             else:
-                lines.append(f"loader: {ld['kind']} DataLoader made at {ld['made_at']}, "
-                             f"num_workers={ld['num_workers']}, prefetch_factor={ld['prefetch_factor']}, "
-                             f"batch_size={ld['batch_size']}")
+                split = ld.get("worker_split")
+                workers = f"num_workers={ld['num_workers']}" + (
+                    f" ({split[0]} local + {split[1]} Ray actors, worker_type={ld['worker_type']})" if split else "")
+                lines.append(f"loader: {ld['kind']} DataLoader made at {ld['made_at']}, {workers}, "
+                             f"prefetch_factor={ld['prefetch_factor']}, batch_size={ld['batch_size']}")
         lines.append(f"measured: {s['batches']} batches in {s['epochs']} epoch(s), {s['samples_per_s']:.1f} samples/s; "
                      f"wait p50 {_ms(s['wait_p50_s'])} p95 {_ms(s['wait_p95_s'])}; step p50 {_ms(s['step_p50_s'])} "
                      f"p95 {_ms(s['step_p95_s'])}; first batches {_ms(s['first_wait_s'])}")

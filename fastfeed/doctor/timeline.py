@@ -46,7 +46,11 @@ class EpochRecord:
 
 @dataclass
 class LoaderRecord:
-    """A loader the script iterated: what it was and where it was made, and one record per epoch."""
+    """A loader the script iterated: what it was and where it was made, and one record per epoch.
+
+    ``num_workers`` counts every worker, local and remote; ``worker_split`` is ``[local, remote]`` for a loader
+    with Ray actors among its workers (``worker_type`` "ray" or "process+ray"), None otherwise.
+    """
 
     id: int
     kind: str  # "fastfeed", "torch" or "dali"
@@ -54,15 +58,26 @@ class LoaderRecord:
     num_workers: int
     prefetch_factor: int | None
     batch_size: int | None
-    worker_type: str = "process"
+    worker_type: str = "process"  # "process", "thread", "ray", "process+ray" (fastfeed's mixed form) or "dali"
     persistent_workers: bool = False
     pin_memory: bool = False
     prefetch: bool = False  # the dataset reads ahead (defines prefetch(indices), as fastfeed.io.Files does)
     epochs: list[EpochRecord] = field(default_factory=list)
+    worker_split: list[int] | None = None
 
     @property
     def batches(self) -> int:
         return sum(len(e.asks) for e in self.epochs)
+
+    @property
+    def local_workers(self) -> int:
+        """Workers on this machine (processes or threads)."""
+        return self.worker_split[0] if self.worker_split else self.num_workers
+
+    @property
+    def remote_workers(self) -> int:
+        """Workers that are Ray actors, wherever Ray placed them."""
+        return self.worker_split[1] if self.worker_split else 0
 
 
 @dataclass

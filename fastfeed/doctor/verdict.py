@@ -8,6 +8,7 @@ measured rates (the workers' per-batch time, the loop's step time, the what-if c
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import statistics
 from collections import Counter
@@ -68,11 +69,14 @@ def _cause(ev: Evidence, placement: dict | None) -> str:
     if ev.h2d_p50_s is not None and wait_p50 and ev.h2d_p50_s >= 0.5 * wait_p50:
         return "transfer"
     sysf = ev.system
-    if ((sysf.get("iowait") or 0) >= IOWAIT or (sysf.get("psi_io") or 0) >= PSI_IO
-            or (sysf.get("disk_read_ms") or 0) >= READ_MS or _blocked(ev)):  # fmt: skip
-        return "io"
     free = ev.free_cores
-    if free is not None and free < FREE_CORES_MIN and ev.steady_stall_fraction >= MODERATELY:
+    starved = free is not None and free < FREE_CORES_MIN
+    # Workers using less CPU than they are busy for wait on something: reads, or, with no core free, a core (more
+    # CPU-bound workers than cores, or other processes on them): then they are not blocked in reads.
+    if ((sysf.get("iowait") or 0) >= IOWAIT or (sysf.get("psi_io") or 0) >= PSI_IO
+            or (sysf.get("disk_read_ms") or 0) >= READ_MS or (_blocked(ev) and not starved)):  # fmt: skip
+        return "io"
+    if starved and ev.steady_stall_fraction >= MODERATELY:
         return "cpu"
     return "workers"
 
@@ -227,6 +231,9 @@ def advise(ev: Evidence, bottleneck: str, cause: str | None, whatif: dict, per: 
     if bottleneck == "input" and cause == "cpu":
         item("make each sample cheaper (decode or transform less on the CPU, or on the GPU)", None,
              f"the CPUs are {ev.system.get('cpu_busy', 0):.0%} busy: more workers have no core to run on", None)
+        remote = _remote_workers(loader, t, ceiling)
+        if remote is not None:
+            item(*remote)
     if bottleneck == "input" and ev.epochs > 1 and not loader.persistent_workers and loader.num_workers:
         startup = ev.first_wait_s / ev.epochs
         if ev.first_wait_s >= 0.05 * ev.loop_s:
@@ -258,6 +265,44 @@ def advise(ev: Evidence, bottleneck: str, cause: str | None, whatif: dict, per: 
         item("numa='auto' (fastfeed places workers and memory on the GPU's node)", None,
              "workers or their memory are on another NUMA node than the GPU", None)
     return advice
+
+
+def ray_installed() -> bool:
+    """Whether Ray can be imported here (never importing it: that takes seconds)."""
+    return importlib.util.find_spec("ray") is not None
+
+
+def _remote_workers(loader, t: float | None, ceiling: float) -> tuple | None:
+    """For input/cpu: the workers the step rate calls for, the local ones kept and the shortfall as Ray actors.
+
+    Returns ``item``'s arguments (change, setting, why, predicted batches/s), or None when the workers the step
+    needs are there already (or nothing says how many it needs). Advised whether or not a cluster is connected
+    now; without Ray installed the setting is left out (the closing run could not apply it) and the why says so.
+    """
+    if loader.kind == "dali" or not t or not math.isfinite(ceiling):
+        return None
+    want = math.ceil(ceiling * t * 1.1)  # workers to make batches as fast as the step takes them, with 10% spare
+    local = loader.local_workers
+    r = want - local
+    if r <= loader.remote_workers:
+        return None
+    if local:
+        change = f'worker_type=("process", "ray"), num_workers=({local}, {r})'
+        setting = {"worker_type": ("process", "ray"), "num_workers": (local, r)}
+    else:
+        change = f'worker_type="ray", num_workers={r}'
+        setting = {"worker_type": "ray", "num_workers": r}
+    predicted = min(ceiling, (local + r) / t)
+    why = (f"each worker makes a batch in {ms(t)} and the step alone runs {ceiling:.1f} batches/s, so it takes "
+           f"{want} workers (+10%) to keep up; the {local} local ones stay, and the {r} more run as Ray actors on "
+           f"other machines' CPUs: {local + r} make {(local + r) / t:.1f} batches/s")
+    if loader.kind == "torch":
+        why += " (fastfeed's DataLoader takes this setting)"
+        setting["fastfeed"] = True
+    if not ray_installed():
+        why += "; Ray workers need pip install 'fastfeed[ray]' and a Ray cluster (ray start --head)"
+        setting = None
+    return change, setting, why, predicted
 
 
 def _line(bottleneck: str, cause: str | None, severity: str, ev: Evidence) -> str:

@@ -8,8 +8,10 @@ the recorded run: the training loader's batches over its Σ(wait + step).
 from __future__ import annotations
 
 import gc
+import inspect
 import time
 
+from torch.utils.data import DataLoader as TorchLoader
 from torch.utils.data import _DatasetKind
 
 from ..loader import DataLoader as FastLoader
@@ -18,6 +20,7 @@ from .evidence import gather
 from .timeline import Timeline
 
 SECONDS = 60.0
+TORCH_ARGS = frozenset(inspect.signature(TorchLoader.__init__).parameters)
 
 
 def _rate(tl: Timeline) -> dict | None:
@@ -25,7 +28,8 @@ def _rate(tl: Timeline) -> dict | None:
     if ev.batches == 0:
         return None
     return {"samples_per_s": ev.samples_per_s, "batches_per_s": ev.batches_per_s, "batches": ev.batches,
-            "seconds": ev.loop_s, "stall_fraction": ev.stall_fraction}  # fmt: skip
+            "seconds": ev.loop_s, "stall_fraction": ev.stall_fraction,
+            "warm_batches_per_s": ev.warm_batches_per_s}  # fmt: skip
 
 
 def _outcome(report, watch, error) -> tuple[dict | None, str | None]:
@@ -46,10 +50,12 @@ def compute_ceiling(target: str, argv: list[str], module: bool, steps: int) -> t
 def rerun(target: str, argv: list[str], module: bool, steps: int, setting: dict) -> tuple[dict | None, str | None]:
     """The script again with ``setting`` forced on every loader it builds (``{"fastfeed": True}``: fastfeed's).
 
-    Returns its rate, or None and why there is none."""
+    A setting only fastfeed's loader takes (``worker_type=("process", "ray")``) makes the script's torch loaders
+    fastfeed's too. Returns its rate, or None and why there is none."""
     overrides = {k: v for k, v in setting.items() if k != "fastfeed"}
+    to_fastfeed = bool(setting.get("fastfeed")) or any(k not in TORCH_ARGS for k in overrides)
     return _outcome(*script.run(target, argv, module, steps=steps, seconds=SECONDS, overrides=overrides,
-                                to_fastfeed=bool(setting.get("fastfeed"))))  # fmt: skip
+                                to_fastfeed=to_fastfeed))  # fmt: skip
 
 
 def input_ceiling(loader, steps: int, seconds: float = SECONDS) -> dict | None:

@@ -1,7 +1,8 @@
 """``fastfeed tune``: tune a dataset's loader from the shell, and look after the tuning cache.
 
 fastfeed tune module:attr [--step module:fn | --step-ms MS] [--batch-size N] [--budget S] [--max-workers N]
-                          [--tolerance F] [--worker-types process,thread] [--out config.json] [--json]
+                          [--tolerance F] [--worker-types process,thread] [--remote MAX] [--out config.json]
+                          [--json]
 fastfeed tune --show       list the tuning cache
 fastfeed tune --clear      empty it
 
@@ -56,6 +57,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="take the cheapest setting within this fraction of the best (default 0.03)")  # fmt: skip
     p.add_argument("--worker-types", type=_worker_types, metavar="LIST",
                    help="comma-separated worker types to try (default: process, or a DataLoader target's)")  # fmt: skip
+    p.add_argument("--remote", type=_positive(int), default=0, metavar="MAX",
+                   help="then add up to MAX Ray actors beside the best local workers, searching their count "
+                   "(needs pip install 'fastfeed[ray]' and a running Ray cluster)")  # fmt: skip
     p.add_argument("--out", metavar="PATH", help="save the choice as a config file fastfeed.load_config reads")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
     cache = p.add_mutually_exclusive_group()
@@ -109,7 +113,12 @@ def _tune(args, dataset, base: dict, step, worker_types) -> int:
         # Looked up on the package at call time, where tests can stand in for it.
         result = fastfeed.tune(dataset, step=step, budget_s=args.budget, max_workers=args.max_workers,
                                tolerance=args.tolerance, worker_types=tuple(worker_types), on_trial=on_trial,
-                               **base)  # fmt: skip
+                               **({"remote": args.remote} if args.remote else {}), **base)  # fmt: skip
+    except (ImportError, RuntimeError) as e:
+        if not args.remote:
+            raise
+        print(f"fastfeed tune --remote: {e}", file=sys.stderr)  # no Ray, or no cluster: said before any trial
+        return 1
     finally:
         bar.close()
     print(json.dumps(result.as_dict()) if args.json else str(result))
@@ -127,6 +136,10 @@ def _remember(dataset, base: dict, result) -> None:
     with the same dataset, batch size, collate function and worker type finds it (the same search space)."""
     from .auto import AUTO
 
+    if result.remote:
+        # num_workers="auto" searches local workers only: a choice with Ray actors is not its answer.
+        print("not cached for num_workers='auto' (a choice with Ray actors); use the config (--out)", file=sys.stderr)
+        return
     batch_size = None if "batch_sampler" in base else base.get("batch_size", 1)
     fp = fingerprint(dataset, batch_size=batch_size, collate_fn=base.get("collate_fn"),
                      worker_type=result.worker_type, space={"num_workers": AUTO, "prefetch_factor": AUTO})  # fmt: skip

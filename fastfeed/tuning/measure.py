@@ -85,9 +85,8 @@ def private_bytes(pids) -> int:
 
 def loader_args(base: dict, setting: Setting) -> dict:
     """The loader's arguments for ``setting`` on top of the user's ``base`` ones."""
-    kwargs = dict(base, num_workers=setting.num_workers, prefetch_factor=setting.prefetch_factor,
-                  worker_type=setting.worker_type)  # fmt: skip
-    if setting.num_workers == 0:  # what torch rejects without workers
+    kwargs = dict(base, **setting.loader_kwargs())
+    if setting.total == 0:  # what torch rejects without workers
         for key in ("multiprocessing_context", "timeout", "persistent_workers"):
             kwargs.pop(key, None)
     return kwargs
@@ -121,7 +120,7 @@ def run(loader_cls, dataset, base: dict, setting: Setting, step, *, tolerance: f
         Whatever the loader or ``step`` raise, after the loader's workers are stopped.
     """
     kwargs = loader_args(base, setting)
-    if setting.num_workers > 0:
+    if setting.total > 0:
         kwargs["persistent_workers"] = True  # windows reuse the workers, across epoch ends too
     return run_made(lambda: loader_cls(dataset, **kwargs), setting, step, tolerance=tolerance, deadline=deadline,
                     window_s=window_s, first=first)  # fmt: skip
@@ -171,8 +170,9 @@ def _windows(loader, trial: Trial, step, tolerance: float, deadline: float, wind
     trial.stall_fraction = waits / (waits + steps) if waits + steps > 0 else 0.0
     trial.load_s = load_seconds(loader.stats())
     it = getattr(loader, "_iterator", None)
-    if it is not None and not it._threads:
-        trial.worker_bytes = private_bytes(it._pool.pids)
+    pids = getattr(getattr(it, "_pool", None), "pids", None)  # local worker processes (none for threads, actors)
+    if it is not None and not getattr(it, "_threads", True) and pids:
+        trial.worker_bytes = private_bytes(pids)
 
 
 class _Feed:

@@ -101,15 +101,15 @@ class Budget:
 
     def tight(self, s: Setting) -> bool:
         """Whether ``s``'s batches take a notable share (``TIGHT``) of the memory it may use."""
-        if s.num_workers == 0 or not self.batch_bytes:
+        if s.total == 0 or not self.batch_bytes:
             return False
         limit = min(x for x in (self.memory, self.shm, 1 << 62) if x is not None)
-        return s.num_workers * s.prefetch_factor * self.batch_bytes > TIGHT * limit
+        return s.total * s.prefetch_factor * self.batch_bytes > TIGHT * limit
 
     def __call__(self, s: Setting) -> str | None:
-        if s.num_workers == 0 or not self.batch_bytes:
+        if s.total == 0 or not self.batch_bytes:
             return None
-        ring = s.num_workers * s.prefetch_factor * self.batch_bytes
+        ring = s.total * s.prefetch_factor * self.batch_bytes  # Ray actors' batches land in the ring too
         workers = s.num_workers * self.worker_bytes if s.worker_type == "process" else 0
         if self.shm is not None and ring > self.shm:
             return f"its {_mb(ring)} of batches exceed {SHM_SHARE:.0%} of the free shared memory ({_mb(self.shm)})"
@@ -138,6 +138,32 @@ def _check(budget_s, max_workers, tolerance, worker_types) -> tuple:
     return tuple(worker_types)
 
 
+def remote_actors(remote) -> int:
+    """The most Ray actors ``tune(remote=...)`` tries: 0 for none; True for the connected cluster's CPUs.
+
+    Raises:
+        ValueError: ``remote`` is neither a bool nor an int >= 0.
+        ImportError: Ray is not installed (the message names ``pip install 'fastfeed[ray]'``).
+        RuntimeError: no Ray cluster to connect to (the message says how to start one).
+    """
+    if remote is False or remote is None or remote == 0:
+        return 0
+    if remote is not True and (isinstance(remote, bool) or not isinstance(remote, int) or remote < 0):
+        raise ValueError(f"remote must be True (the cluster's CPUs), False or a number of Ray actors >= 0, "
+                         f"got {remote!r}")  # fmt: skip
+    from .._workers import ray_connect  # Ray is optional: imported only when remote workers are asked for
+
+    ray_connect.connect()  # a clear error now, before any local trial, when there is no cluster
+    if remote is not True:
+        return remote
+    summary = ray_connect.cluster_summary()
+    cpus = int(summary["cpus"]) if summary else 0
+    if cpus < 1:
+        raise RuntimeError("fastfeed.tune(remote=True): the Ray cluster has no CPU for an actor; add a node "
+                           "(ray start --address=HEAD:6379 --num-cpus=N) or pass remote=N")  # fmt: skip
+    return cpus
+
+
 def min_workers_for(kwargs: dict) -> int:
     """1 when the loader's other arguments need workers (torch rejects them with num_workers=0)."""
     if kwargs.get("persistent_workers") or kwargs.get("multiprocessing_context") is not None:
@@ -146,7 +172,7 @@ def min_workers_for(kwargs: dict) -> int:
 
 
 def tune(dataset, *, step=None, budget_s: float = 60, max_workers: int | None = None, tolerance: float = 0.03,
-         memory_budget: int | None = None, worker_types=("process",),
+         memory_budget: int | None = None, worker_types=("process",), remote: int | bool = 0,
          on_trial: Callable[[Trial, Trial | None], None] | None = None, **loader_kwargs) -> TuneResult:  # fmt: skip
     """Find the cheapest ``num_workers`` / ``prefetch_factor`` / ``worker_type`` within ``tolerance`` of the best.
 
@@ -167,6 +193,12 @@ def tune(dataset, *, step=None, budget_s: float = 60, max_workers: int | None = 
             the available RAM. Batches in shared memory are also held to 80% of its free space.
             Settings over it are skipped, with the reason in ``trials``.
         worker_types: the worker types to choose from ("process", "thread").
+        remote: Ray actors to add beside the local workers, once their best count is found: the most to try
+            (an int), True for as many as the connected cluster has CPUs, 0 for none. Their count is
+            bisected with the local workers fixed; a result with actors has ``remote`` > 0 and
+            ``loader_kwargs()`` with ``worker_type=("process", "ray"), num_workers=(local, remote)``. Needs
+            ``pip install 'fastfeed[ray]'`` and a running cluster (the user's ``ray.init``, or
+            ``ray.init(address="auto")``). ``ray_options`` in ``loader_kwargs`` reach every actor.
         on_trial: called with each trial and the best so far (progress bars).
         **loader_kwargs: the rest of the loader's arguments (``batch_size``, ``collate_fn``, ...).
 
@@ -180,12 +212,14 @@ def tune(dataset, *, step=None, budget_s: float = 60, max_workers: int | None = 
             raise ValueError(f"tune() chooses {key}: leave it out of the loader arguments")
     started = time.monotonic()
     deadline = started + budget_s
+    max_remote = remote_actors(remote)
     if max_workers is None:
         max_workers = 2 * rank_cpus(loader_kwargs)
     budget = Budget(memory_budget)
     budget.batch_bytes = measure.probe_batch_bytes(DataLoader, dataset, loader_kwargs)
     search = Search(max_workers=max_workers, tolerance=tolerance, worker_types=types,
-                    min_workers=min_workers_for(loader_kwargs), fits=budget, tight=budget.tight)  # fmt: skip
+                    min_workers=min_workers_for(loader_kwargs), fits=budget, tight=budget.tight,
+                    max_remote=max_remote)  # fmt: skip
 
     def trial_of(setting: Setting, first: bool) -> Trial:
         return measure.run(DataLoader, dataset, loader_kwargs, setting, step, tolerance=tolerance, deadline=deadline,
@@ -239,5 +273,5 @@ def _result(search: Search, converged: bool, elapsed: float, batch_size) -> Tune
         num_workers=chosen.num_workers, prefetch_factor=chosen.prefetch_factor, worker_type=chosen.worker_type,
         throughput=trial.median, samples_per_s=trial.median * batch_size if batch_size else None,
         stall_fraction=trial.stall_fraction, input_bound=search.input_bound, trials=list(search.order),
-        elapsed_s=elapsed, converged=converged and search.done, batch_size=batch_size,
+        elapsed_s=elapsed, converged=converged and search.done, batch_size=batch_size, remote=chosen.remote,
     )  # fmt: skip

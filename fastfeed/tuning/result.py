@@ -14,17 +14,34 @@ CONFIG_FORMAT = 1
 
 @dataclass(frozen=True, order=True)
 class Setting:
-    """One point of the search space."""
+    """One point of the search space.
+
+    ``remote``: Ray actors beside the ``num_workers`` local ones (``worker_type=("process", "ray")``,
+    ``num_workers=(local, remote)``); 0 for a loader of local workers alone.
+    """
 
     worker_type: str
     num_workers: int
     prefetch_factor: int | None  # None with num_workers=0, as torch wants it
+    remote: int = 0
+
+    @property
+    def total(self) -> int:
+        """Every worker, local and remote: the batches in flight are ``total * prefetch_factor``."""
+        return self.num_workers + self.remote
 
     def __str__(self) -> str:
         pf = "-" if self.prefetch_factor is None else self.prefetch_factor
+        if self.remote:
+            return f"nw={self.num_workers}+{self.remote} pf={pf} {self.worker_type}+ray"
         return f"nw={self.num_workers} pf={pf} {self.worker_type}"
 
     def loader_kwargs(self) -> dict:
+        if self.remote and self.num_workers:
+            return {"num_workers": (self.num_workers, self.remote), "prefetch_factor": self.prefetch_factor,
+                    "worker_type": (self.worker_type, "ray")}  # fmt: skip
+        if self.remote:
+            return {"num_workers": self.remote, "prefetch_factor": self.prefetch_factor, "worker_type": "ray"}
         return {"num_workers": self.num_workers, "prefetch_factor": self.prefetch_factor,
                 "worker_type": self.worker_type}  # fmt: skip
 
@@ -80,7 +97,7 @@ class TuneResult:
     """What ``fastfeed.tune()`` (or ``num_workers="auto"``) chose, and the evidence.
 
     Attributes:
-        num_workers, prefetch_factor, worker_type: the choice.
+        num_workers, prefetch_factor, worker_type: the choice (the local workers, with ``remote``).
         throughput: batches/s of the choice, as measured; ``samples_per_s`` the same in samples.
         stall_fraction: of the choice (the share of the step spent waiting for input).
         input_bound: False when loading was not the bottleneck at a small setting: the cheapest
@@ -89,6 +106,8 @@ class TuneResult:
         elapsed_s: the tuning's wall time.
         converged: False when the budget ran out first (the choice is the best so far).
         batch_size: samples per batch (None when the loader does not batch).
+        remote: Ray actors beside the local workers (``fastfeed.tune(remote=...)``); ``loader_kwargs()`` then has
+            ``worker_type=("process", "ray"), num_workers=(local, remote)``.
     """
 
     num_workers: int
@@ -102,10 +121,11 @@ class TuneResult:
     elapsed_s: float
     converged: bool
     batch_size: int | None = None
+    remote: int = 0
 
     @property
     def setting(self) -> Setting:
-        return Setting(self.worker_type, self.num_workers, self.prefetch_factor)
+        return Setting(self.worker_type, self.num_workers, self.prefetch_factor, self.remote)
 
     def loader_kwargs(self) -> dict:
         """``DataLoader(dataset, **result.loader_kwargs())`` uses the choice."""
@@ -135,17 +155,21 @@ class TuneResult:
             + f"  [{'converged' if self.converged else 'NOT converged (budget)'}, {len(self.trials)} trials,"
             f" {self.elapsed_s:.1f} s]"
         )
-        rows = [f"{'':2}{'nw':>3} {'pf':>3} {'type':<8} {'batches/s':>10} {'spread':>7} {'stall':>6} {'windows':>7}"]
+        remote = any(t.setting.remote for t in self.trials)  # a column for the Ray actors, when any were tried
+        rows = [f"{'':2}{'nw':>3} " + (f"{'ray':>3} " if remote else "")
+                + f"{'pf':>3} {'type':<8} {'batches/s':>10} {'spread':>7} {'stall':>6} {'windows':>7}"]
         chosen = self.setting
         for t in sorted(self.trials, key=lambda t: t.setting):
             s = t.setting
             mark = "*" if s == chosen else " "
             pf = "-" if s.prefetch_factor is None else s.prefetch_factor
+            actors = f"{s.remote:>3} " if remote else ""
+            cells = f"{mark:2}{s.num_workers:>3} {actors}{pf:>3} {s.worker_type:<8}"
             if t.skipped:
-                rows.append(f"{mark:2}{s.num_workers:>3} {pf:>3} {s.worker_type:<8} skipped: {t.skipped}")
+                rows.append(f"{cells} skipped: {t.skipped}")
             else:
-                rows.append(f"{mark:2}{s.num_workers:>3} {pf:>3} {s.worker_type:<8} {t.median:>10,.1f} "
-                            f"{t.spread:>7.1%} {t.stall_fraction:>6.1%} {len(t.windows):>7}")  # fmt: skip
+                rows.append(f"{cells} {t.median:>10,.1f} {t.spread:>7.1%} {t.stall_fraction:>6.1%} "
+                            f"{len(t.windows):>7}")  # fmt: skip
         return "\n".join([head, *rows])
 
 
@@ -169,6 +193,14 @@ def load_config(path) -> dict:
     if not isinstance(data, dict) or data.get("fastfeed_config") != CONFIG_FORMAT:
         raise ValueError(f"{path}: not a fastfeed config (written by `fastfeed tune --out` or TuneResult.save)")
     kwargs = data.get("loader_kwargs")
-    if not isinstance(kwargs, dict) or not isinstance(kwargs.get("num_workers"), int):
+    if not isinstance(kwargs, dict):
         raise ValueError(f"{path}: its loader_kwargs are missing or malformed")
-    return dict(kwargs)
+    kwargs = dict(kwargs)
+    nw = kwargs.get("num_workers")
+    if isinstance(nw, list) and len(nw) == 2 and all(isinstance(n, int) for n in nw):  # (local, remote): JSON's list
+        kwargs["num_workers"] = tuple(nw)
+    elif not isinstance(nw, int):
+        raise ValueError(f"{path}: its loader_kwargs are missing or malformed")
+    if isinstance(kwargs.get("worker_type"), list):  # ("process", "ray")
+        kwargs["worker_type"] = tuple(kwargs["worker_type"])
+    return kwargs

@@ -20,11 +20,16 @@ The phases:
 3. **``prefetch_factor``** at the knee, from ``PREFETCH``: 4 first; 8 only when 4 gained
    more than the tolerance; else 1, when memory is tight (a batch less per worker).
 4. **``worker_type``**, when several are allowed, at the chosen counts.
-5. **Confirmation**: a choice that trails the best measured setting by more than half the
+5. **Remote workers** (``max_remote``, ``fastfeed.tune(remote=...)``): the local workers fixed at the
+   choice so far, Ray actors added beside them (Pecan's order: the host's own cores first, the
+   shortfall sent away). The actor count is bisected over ``[1, max_remote]`` as ``num_workers``
+   was, the choice so far standing for 0 actors: the smallest count within ``tolerance`` of the
+   best, and the gap to a clearly worse right neighbour (the loop receiving no faster) bisected too.
+6. **Confirmation**: a choice that trails the best measured setting by more than half the
    tolerance is measured again, its windows added to its first trial's, and the choice made anew.
 
-The choice is always the cheapest measured setting (fewest workers, then least prefetch,
-then the first worker type listed) within ``tolerance`` of the best one measured (its median
+The choice is always the cheapest measured setting (fewest Ray actors, then fewest workers,
+then least prefetch, then the first worker type listed) within ``tolerance`` of the best one measured (its median
 less half its spread, up to half the tolerance: see ``_bar``).
 """
 
@@ -53,14 +58,17 @@ class Search:
         recorded as skipped, never measured.
     tight: ``tight(setting)`` -> whether its memory is a concern (a large share of the budget):
         only then is ``prefetch_factor=1`` tried, to save a batch per worker.
+    max_remote: the most Ray actors tried beside the local workers (0: none, the remote phase is skipped).
     """
 
     def __init__(
         self, *, max_workers: int, tolerance: float, worker_types=("process",), num_workers: int | None = None,
         prefetch_factor: int | None = None, min_workers: int = 0, fits: Callable[[Setting], str | None] | None = None,
-        tight: Callable[[Setting], bool] | None = None,
+        tight: Callable[[Setting], bool] | None = None, max_remote: int = 0,
     ):  # fmt: skip
         self.tolerance = tolerance
+        self.max_remote = max_remote
+        self._local: Setting | None = None  # the local choice the remote phase adds actors to
         self.types = tuple(worker_types)
         self.fixed_nw = num_workers
         self.fixed_pf = prefetch_factor
@@ -100,8 +108,8 @@ class Search:
     def _curve(self) -> dict[int, Trial]:
         """Trials by ``num_workers`` at the searched prefetch and first worker type."""
         base = self._setting(1).prefetch_factor
-        return {t.setting.num_workers: t for t in self._measured()
-                if t.setting.worker_type == self.types[0] and t.setting.prefetch_factor in (base, None)}  # fmt: skip
+        return {t.setting.num_workers: t for t in self._measured() if t.setting.worker_type == self.types[0]
+                and t.setting.prefetch_factor in (base, None) and not t.setting.remote}  # fmt: skip
 
     def _bar(self, trials) -> float:
         """The throughput a setting needs to count as equal to the best of ``trials``.
@@ -256,8 +264,58 @@ class Search:
                 proposal = self._new(Setting(wt, chosen.num_workers, chosen.prefetch_factor))
                 if proposal is not None:
                     return proposal
+        self._phase = "remote" if self.max_remote > 0 else "confirm"
+        return _NEXT_PHASE
+
+    def _with_remote(self, remote: int) -> Setting:
+        """The local choice with ``remote`` Ray actors beside its workers (process workers: the mixed form's)."""
+        local = self._local
+        pf = local.prefetch_factor or self.fixed_pf or DEFAULT_PREFETCH
+        wt = "process" if local.num_workers else local.worker_type
+        return Setting(wt, local.num_workers, pf, remote)
+
+    def _remote(self):
+        proposal = self._next_remote()
+        if proposal is not None:
+            return proposal
         self._phase = "confirm"
         return _NEXT_PHASE
+
+    def _next_remote(self) -> Setting | None:
+        if self._local is None:
+            self._local = self.choice()  # no remote trial yet: the best of the local ones
+            if self._local is None:
+                return None
+        hi = self.max_remote
+        while hi > 1:  # the largest count that fits is the top of the range
+            top = self._with_remote(hi)
+            if top not in self.trials:
+                proposal = self._new(top)
+                if proposal is not None:
+                    return proposal
+            if not self.trials[top].skipped:
+                break
+            hi -= 1
+        if hi == 1 and self._with_remote(1) not in self.trials:
+            return self._new(self._with_remote(1))
+        curve = {t.setting.remote: t for t in self._measured()
+                 if t.setting.remote and t.setting == self._with_remote(t.setting.remote)}  # fmt: skip
+        if not curve:
+            return None
+        curve[0] = self.trials[self._local]
+        bar = self._bar(curve.values())
+        rate = {r: t.median for r, t in curve.items()}
+        knee = min(r for r, v in rate.items() if v >= bar)
+        below = max((r for r in rate if r < knee), default=0)
+        if knee - below > 1:
+            proposal = self._new(self._with_remote((below + knee + 1) // 2))
+            if proposal is not None:
+                return proposal
+        peak = max(rate, key=rate.get)
+        right = min((r for r in rate if r > peak), default=None)
+        if right is not None and right - peak > 1 and rate[right] < (1 - self.tolerance) * rate[peak]:
+            return self._new(self._with_remote((peak + right) // 2))
+        return None
 
     def _confirm(self):
         """A choice cheaper than the best measured is measured once more before it is taken.
@@ -295,7 +353,8 @@ class Search:
         return min(good, key=self._cost)
 
     def _cost(self, s: Setting) -> tuple:
-        return (s.num_workers, s.prefetch_factor or 0, self.types.index(s.worker_type))
+        kind = self.types.index(s.worker_type) if s.worker_type in self.types else len(self.types)
+        return (s.remote, s.num_workers, s.prefetch_factor or 0, kind)
 
 
 _NEXT_PHASE = object()  # a phase is over: ask the next one

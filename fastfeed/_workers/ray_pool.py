@@ -1,0 +1,486 @@
+"""Ray actors as the loader's workers, behind the same face as ``Pool`` and ``ThreadPool``.
+
+Each worker is an actor (``ray_actor.RayWorker``) running the ordinary worker loop; a message to it is an actor call,
+and Ray runs one actor's calls in the order they were made, so the answers come back in the order the tasks went
+out, as through a worker's pipe. The epoch's ``WorkerSpec`` (and with it the dataset) goes into Ray's object store
+once per epoch, and each actor takes it from there: it is not pickled per task.
+
+A batch comes back as one Ray object: read in place from the object store on the same node, fetched over the network
+from another. The main process copies it once into a ring slot (or a segment of its own, as a worker process
+would), so pinning, the device stage and the leases downstream are those of process workers.
+
+Losing a worker. Every answer carries the worker's state right after it (its RNGs, a stateful dataset's position,
+the batches it made), which is what a worker process keeps for ``DataLoader.state_dict()``. When an actor or its node
+dies, or an answer is lost with its node, a new actor starts from the state after the last answer taken, as
+``load_state_dict`` restarts a worker process, and the tasks still owed are sent to it again, in order: the user sees
+the batches of an uninterrupted run. A batch that keeps killing its actor raises after ``MAX_LOSSES`` replacements.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import time
+import weakref
+
+import numpy as np
+
+from .._native import C
+from . import messages as m
+from .loop import SlotWriter
+from .pool import STATUS_CHECK_S, Clock, WorkerDied
+
+MAX_LOSSES = 3  # replacement actors one batch may cost before it, not the cluster, is blamed
+SPARE_GRACE_S = 1.0  # an actor not placed by then may be waiting for CPUs that idle spare actors hold
+DEFAULT_OPTIONS = {"num_cpus": 1}  # a worker uses a core, as a worker process does
+_START = "start"  # the pending entry of an actor's start call
+_LOCAL = "local"  # a StateRequest, answered here from the states that came with the answers
+
+
+def start_timeout_s() -> float:
+    """How long an actor may wait for a node with room for it before the loader says so (it would wait forever)."""
+    return float(os.environ.get("FASTFEED_RAY_START_TIMEOUT_S", "120"))
+
+
+_actor_classes: dict = {}
+
+
+def actor_class(ray):
+    cls = _actor_classes.get(id(ray))
+    if cls is None:
+        from .ray_actor import RayWorker
+
+        # max_restarts=0: a lost actor is replaced by the loader, which knows the state to start it from.
+        cls = _actor_classes[id(ray)] = ray.remote(max_restarts=0, max_task_retries=0)(RayWorker)
+    return cls
+
+
+def _lost_errors(ray) -> tuple:
+    """Ray's errors that mean the actor or its answer is gone, not that the dataset raised."""
+    e = ray.exceptions
+    return (e.RayActorError, e.ObjectLostError, e.WorkerCrashedError, e.NodeDiedError, e.TaskCancelledError)
+
+
+class Spare:
+    """Actors kept between epochs by one loader, so a new epoch (``persistent_workers=False``) does not wait for
+    new actor processes. Each epoch's ``start`` gives an actor that epoch's dataset, seed and ``worker_init_fn``
+    afresh. Killed when the loader goes, at exit, or when another loader's actor finds no room on the cluster
+    (``free_spares``): a spare must never hold CPUs that work is waiting for."""
+
+    def __init__(self):
+        self.actors: list = []  # (options key, handle)
+        self.ray = None
+        self._finalizer = None
+        _all_spares.add(self)
+
+    def take(self, key) -> object | None:
+        for i, (k, actor) in enumerate(self.actors):
+            if k == key:
+                del self.actors[i]
+                return actor
+        return None
+
+    def give(self, key, actor, ray) -> None:
+        self.actors.append((key, actor))
+        self.ray = ray
+        if self._finalizer is None:
+            self._finalizer = weakref.finalize(self, _kill_all, ray, self.actors)
+
+    def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+
+
+_all_spares: weakref.WeakSet = weakref.WeakSet()
+
+
+def free_spares() -> int:
+    """Kill every loader's spare actors (their CPUs go back to the cluster); returns how many."""
+    n = 0
+    for spare in list(_all_spares):
+        n += len(spare.actors)
+        if spare.actors:
+            _kill_all(spare.ray, spare.actors)
+    return n
+
+
+def _kill_all(ray, actors: list) -> None:
+    for _, actor in actors:
+        _kill(ray, actor)
+    actors.clear()
+
+
+def _kill(ray, actor) -> None:
+    try:
+        if ray.is_initialized():
+            ray.kill(actor, no_restart=True)
+    except Exception:  # noqa: BLE001 (already gone, or Ray shut down)
+        pass
+
+
+class _Worker:
+    __slots__ = ("wid", "actor", "pending", "states", "start", "last", "resume_msg", "losses", "where")
+
+    def __init__(self, wid: int, actor):
+        self.wid = wid
+        self.actor = actor
+        self.pending: collections.deque = collections.deque()  # [message, ref] sent, answers not taken yet
+        self.states: dict = {}  # task index -> StateReply right after it (recent ones)
+        self.start = None  # StateReply at this epoch's start
+        self.last = None  # StateReply after the last answer taken (None: none yet this epoch)
+        self.resume_msg = None  # the Resume that began this epoch (persistent workers' later epochs)
+        self.losses: collections.Counter = collections.Counter()  # actors lost, by the task they held
+        self.where = None  # {"host", "pid", "node_id"} of the actor, once started
+
+
+class RayPool:
+    """``num_workers`` Ray actors, as workers ``first_id .. first_id + num_workers - 1`` of an iterator.
+
+    Args:
+        ray: the connected ``ray`` module.
+        spec: the epoch's ``WorkerSpec`` (placement and ring names play no part on another machine).
+        resumes: per worker, where ``load_state_dict`` restarts it (or None).
+        writer: places a batch's bytes in the ring (a ``SlotWriter`` of the main process).
+        options: Ray's actor options (``ray_options``), over ``DEFAULT_OPTIONS``.
+        spare: the loader's ``Spare`` actors, taken first and given back at a clean stop.
+        replay_index: what one task of an IterableDataset asks for (a replacement replays with it).
+        unrecoverable: why a lost worker's position cannot be rebuilt in a persistent later epoch, or None.
+    """
+
+    def __init__(self, ray, num_workers: int, first_id: int, spec, resumes, writer: SlotWriter, options=None,
+                 spare: Spare | None = None, hang_dump_s: float = 0, replay_index=None,
+                 unrecoverable: str | None = None):  # fmt: skip
+        self.ray = ray
+        self.first_id = first_id
+        self.hang_dump_s = hang_dump_s
+        self.blocked = 0
+        self.all_gone = True  # actors never write into the ring: the main process copies their batches in
+        self._writer = writer
+        self._options = dict(DEFAULT_OPTIONS, **(options or {}))
+        self._key = repr(sorted(self._options.items()))
+        self._cls = actor_class(ray).options(**self._options)
+        self._spare = spare
+        self._replay_index = replay_index
+        self._unrecoverable = unrecoverable
+        self._lost = _lost_errors(ray)
+        self._spec_ref = ray.put(spec)
+        self._freed = False  # other loaders' spare actors were killed to make room
+        self.workers: list[_Worker] = []
+        try:
+            for i in range(num_workers):
+                wid = first_id + i
+                w = _Worker(wid, self._new_actor())
+                self.workers.append(w)
+                w.pending.append([_START, w.actor.start.remote(wid, self._spec_ref, resumes[i])])
+        except BaseException:
+            self.stop(idle=False)
+            raise
+
+    def _new_actor(self):
+        actor = self._spare.take(self._key) if self._spare is not None else None
+        return actor if actor is not None else self._cls.remote()
+
+    def _worker(self, wid: int) -> _Worker:
+        return self.workers[wid - self.first_id]
+
+    # -- the pool's face -----------------------------------------------------------------
+
+    def send(self, wid: int, message) -> None:
+        w = self._worker(wid)
+        kind = type(message)
+        if kind is m.StateRequest:
+            w.pending.append([message, _LOCAL])
+            return
+        if kind is m.Stop:
+            return  # the actor is kept for the next epoch, or killed, by stop()
+        if kind is m.Resume:
+            w.resume_msg = message
+        w.pending.append([message, w.actor.call.remote(message)])
+
+    def retire(self, wid: int) -> None:
+        """A worker whose IterableDataset ended: nothing more is sent to it (its actor waits for stop)."""
+
+    def ready(self, wid: int) -> bool:
+        """Whether worker ``wid``'s next answer is here (recv would not wait, short of a task skipped after its
+        iterable ended)."""
+        w = self._worker(wid)
+        while w.pending:
+            msg, ref = w.pending[0]
+            if ref is _LOCAL:
+                return True
+            done, _ = self.ray.wait([ref], timeout=0)
+            if not done:
+                return False
+            if msg is not _START:
+                return True
+            answer = self._get(w, ref)  # a start answers nothing the iterator sees: take it now
+            if answer is not None:
+                w.pending.popleft()
+                self._took(w, msg, answer)
+        return False
+
+    def recv(self, wid: int, timeout: float | None):
+        """The next answer from worker ``wid``; raises on timeout, or once its batch has cost ``MAX_LOSSES`` actors."""
+        w = self._worker(wid)
+        clock = Clock(timeout, self.hang_dump_s, self.dump_stacks)
+        first = True
+        while True:
+            if not w.pending:
+                raise RuntimeError(f"DataLoader worker {wid} (Ray actor) was asked for an answer it does not owe")
+            msg, ref = w.pending[0]
+            if ref is _LOCAL:
+                w.pending.popleft()
+                return self._state_reply(w, msg.after_idx)
+            done, _ = self.ray.wait([ref], timeout=0)
+            if not done:
+                if first:
+                    self.blocked += 1  # the answer is not here yet: the consumer waits (fastfeed.stats' ``ready``)
+                first = False
+                done = self._wait_for(w, ref, msg, clock)
+                if not done:
+                    continue
+            answer = self._get(w, ref)
+            if answer is None:  # the actor was lost and replaced: its tasks are owed again
+                continue
+            w.pending.popleft()
+            got = self._took(w, msg, answer)
+            if got is not None:
+                return got
+
+    def recv_any(self, timeout: float | None):
+        """The next answer from whichever worker answers first."""
+        clock = Clock(timeout, self.hang_dump_s, self.dump_stacks)
+        while True:
+            fronts = {}
+            for w in self.workers:
+                if w.pending:
+                    msg, ref = w.pending[0]
+                    if ref is _LOCAL:
+                        return self.recv(w.wid, timeout)
+                    fronts[ref] = w
+            if not fronts:
+                raise RuntimeError("recv_any() with no answer owed by any Ray actor")
+            done, _ = self.ray.wait(list(fronts), num_returns=1, timeout=min(clock.next_wait(), STATUS_CHECK_S))
+            if done:
+                w = fronts[done[0]]
+                msg, ref = w.pending[0]
+                answer = self._get(w, ref)
+                if answer is None:
+                    continue
+                w.pending.popleft()
+                got = self._took(w, msg, answer)
+                if got is not None:
+                    return got
+                continue
+            clock.check()
+
+    def _wait_for(self, w: _Worker, ref, msg, clock: Clock) -> bool:
+        """Wait for ``ref`` up to the clock's next look; an actor never placed is an error, not a hang."""
+        wait = clock.next_wait()
+        if msg is _START:
+            wait = min(wait, SPARE_GRACE_S if not self._freed else STATUS_CHECK_S)
+        if msg is _START and not self._freed and time.monotonic() - clock.start >= SPARE_GRACE_S:
+            self._freed = True
+            # Other loaders' idle actors may hold the CPUs this one waits for.
+            if self.ray.available_resources().get("CPU", 0.0) < self._options.get("num_cpus", 1) and free_spares():
+                wait = min(wait, 0.1)
+        done, _ = self.ray.wait([ref], timeout=wait)
+        if done:
+            return True
+        if msg is _START and time.monotonic() - clock.start >= start_timeout_s():
+            raise RuntimeError(
+                f"DataLoader worker {w.wid} (Ray actor) found no node with room for it in {start_timeout_s():.0f} s "
+                f"(actor options {self._options}; the cluster has {self.ray.available_resources().get('CPU', 0):g} "
+                "free CPUs): add nodes, lower num_workers, or pass ray_options={'num_cpus': ...} "
+                "(FASTFEED_RAY_START_TIMEOUT_S sets the wait)"
+            )
+        clock.check()
+        return False
+
+    def _get(self, w: _Worker, ref):
+        """The answer behind ``ref``, or None when the actor (or the answer) was lost and has been replaced."""
+        try:
+            return self.ray.get(ref)
+        except self._lost as e:
+            self._replace(w, e)
+            return None
+
+    def _took(self, w: _Worker, msg, answer):
+        """Record an answer; returns the message to hand to the iterator, or None (nothing to hand)."""
+        if msg is _START:
+            if w.start is None:  # a replacement's start is its resumed state, not the epoch's
+                w.start = answer["state"]
+                if answer.get("restored") is not None:  # load_state_dict's: "task -1", until its next task
+                    w.last = w.states[-1] = answer["restored"]
+            w.where = answer["where"]
+            return None
+        reply, state, buf = answer
+        if reply is None:
+            return None  # a task after its iterable ended: torch's worker sends nothing for it either
+        if state is not None:
+            if type(reply) is m.ResumeAck:
+                w.start, w.last = state, None
+                w.states.clear()
+            else:
+                w.last = w.states[reply.idx] = state
+                if len(w.states) > 4 * max(1, len(w.pending)) + 64:  # keep the recent ones (state_dict asks those)
+                    for idx in sorted(w.states)[: len(w.states) // 2]:
+                        del w.states[idx]
+        if type(reply) is m.Done and reply.nbytes:
+            return self._into_ring(reply, buf)
+        return reply
+
+    def _into_ring(self, reply: m.Done, buf: np.ndarray) -> m.Done:
+        """Copy the batch's bytes into a slot: its one copy on this machine."""
+        slot_id, made, base = self._writer.claim(reply.nbytes)
+        try:
+            C.gather(base.data_ptr(), [(buf.ctypes.data, reply.nbytes)])
+        except BaseException:
+            self._writer.abandon(slot_id, made)
+            raise
+        return reply._replace(slot_id=slot_id, made=made)
+
+    def _state_reply(self, w: _Worker, after_idx: int | None) -> m.StateReply:
+        if after_idx is None:
+            return w.start
+        state = w.states.get(after_idx)
+        if state is None:
+            raise RuntimeError(f"DataLoader worker {w.wid} (Ray actor) no longer holds its state after task "
+                               f"{after_idx}")  # fmt: skip
+        return state
+
+    # -- losing an actor -------------------------------------------------------------------
+
+    def _replace(self, w: _Worker, error: BaseException) -> None:
+        held = next((msg for msg, _ in w.pending if type(msg) is m.Task), None)
+        key = None if held is None else held.idx
+        w.losses[key] += 1
+        if w.losses[key] > MAX_LOSSES:
+            what = "before its first task" if held is None else f"while it held batch {held.idx} (sample indices " \
+                                                                  f"{_short(held.index)})"  # fmt: skip
+            raise WorkerDied(f"DataLoader worker {w.wid} (Ray actor) was lost {w.losses[key]} times {what}: "
+                             f"{type(error).__name__}: {_first_line(error)}") from error  # fmt: skip
+        if self._unrecoverable and w.resume_msg is not None:
+            raise WorkerDied(f"DataLoader worker {w.wid} (Ray actor) was lost and its position cannot be rebuilt: "
+                             f"{self._unrecoverable}") from error  # fmt: skip
+        _kill(self.ray, w.actor)
+        w.actor = self._cls.remote()  # not a spare: one of those may sit on the node that just went
+        last = w.last if w.last is not None else w.start
+        resume = None
+        if last is not None:
+            resume = {"state": last.state, "epoch_start": last.epoch_start, "mid_epoch": True,
+                      "replay_index": self._replay_index}  # fmt: skip
+        sync = None
+        if w.resume_msg is not None:
+            sync = {"shared_seed": w.resume_msg.shared_seed, "dataset_sync": w.resume_msg.dataset_sync}
+        owed = [entry for entry in w.pending if entry[0] is not _START]
+        start = w.actor.start.remote(w.wid, self._spec_ref, resume, sync)  # first: Ray runs calls in their order
+        for entry in owed:
+            if entry[1] is not _LOCAL:
+                entry[1] = w.actor.call.remote(entry[0])
+        w.pending = collections.deque([[_START, start], *owed])
+        print(f"fastfeed: DataLoader worker {w.wid} (Ray actor) was lost ({type(error).__name__}); a new actor "
+              f"continues from its last batch and redoes {sum(type(e[0]) is m.Task for e in owed)} owed",
+              file=sys.stderr, flush=True)  # fmt: skip
+
+    def dump_stacks(self, waited: float) -> None:
+        where = ", ".join(f"worker {w.wid}: pid {w.where['pid']} on {w.where['host']}" for w in self.workers
+                          if w.where)  # fmt: skip
+        print(f"fastfeed: no batch for {waited:.0f} s from the Ray actor workers ({where or 'not started yet'}); "
+              "`ray stack` on an actor's node prints its Python stack.", file=sys.stderr, flush=True)  # fmt: skip
+
+    def stop(self, grace: float = STATUS_CHECK_S, idle: bool = False) -> None:
+        """Drop every owed answer; actors that owe nothing go back to the loader's spares, the others are killed
+        (one may be stuck in the dataset, and the next epoch must not queue behind it)."""
+        ray = self.ray
+        for w in self.workers:
+            owed = [ref for msg, ref in w.pending if ref is not _LOCAL and msg is not _START]
+            clean = not owed and ray.is_initialized()
+            w.pending.clear()
+            if clean and self._spare is not None:
+                self._spare.give(self._key, w.actor, ray)
+            else:
+                _kill(ray, w.actor)
+            w.actor = None
+        self.workers = []
+        self._spec_ref = None
+
+
+def _short(index) -> str:
+    text = repr(list(index) if isinstance(index, (list, tuple, range)) else index)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else ""
+
+
+class MixedPool:
+    """Local worker processes (ids ``0 .. local-1``) and Ray actors (the rest) as one pool."""
+
+    def __init__(self, local, remote: RayPool):
+        self.local, self.remote = local, remote
+        self._split = remote.first_id
+        self.hang_dump_s = local.hang_dump_s
+        self._retired: set = set()  # local workers told to stop (their iterable ended): their exit is no death
+
+    def _of(self, wid: int):
+        return self.local if wid < self._split else self.remote
+
+    @property
+    def blocked(self) -> int:
+        return self.local.blocked + self.remote.blocked
+
+    @property
+    def all_gone(self) -> bool:
+        return self.local.all_gone and self.remote.all_gone
+
+    @property
+    def pids(self):
+        return self.local.pids
+
+    def send(self, wid, message):
+        self._of(wid).send(wid, message)
+
+    def recv(self, wid, timeout):
+        return self._of(wid).recv(wid, timeout)
+
+    def ready(self, wid) -> bool:
+        return self._of(wid).ready(wid)
+
+    def retire(self, wid) -> None:
+        if wid < self._split:
+            self._retired.add(wid)
+        self._of(wid).retire(wid)
+
+    def recv_any(self, timeout):
+        """Whichever answers first: each side is looked at in turn, briefly (``in_order=False`` only)."""
+        clock = Clock(timeout, self.hang_dump_s, self.dump_stacks)
+        n_local = self._split
+        while True:
+            for wid in range(n_local):
+                if wid not in self._retired and self.local.workers and self.local.ready(wid):
+                    return self.local.recv(wid, timeout)
+            for w in self.remote.workers:
+                if w.pending and self.remote.ready(w.wid):
+                    return self.remote.recv(w.wid, timeout)
+            fronts = [ref for w in self.remote.workers for msg, ref in list(w.pending)[:1] if ref is not _LOCAL]
+            if fronts:
+                self.remote.ray.wait(fronts, num_returns=1, timeout=0.002)
+            else:
+                time.sleep(0.001)
+            clock.next_wait()
+            clock.check()
+
+    def dump_stacks(self, waited: float) -> None:
+        self.local.dump_stacks(waited)
+        self.remote.dump_stacks(waited)
+
+    def stop(self, grace: float = STATUS_CHECK_S, idle: bool = False) -> None:
+        try:
+            self.local.stop(grace, idle)
+        finally:
+            self.remote.stop(grace, idle)
+

@@ -1,0 +1,70 @@
+"""A local Ray cluster for the tests: a head with no CPUs and worker "nodes" (raylets) on this machine.
+
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` makes every node listen and connect on 127.0.0.1; Ray otherwise takes the
+machine's outward address even for a one-machine cluster. Actor processes are started by the raylets, which
+inherit this process's environment: ``PYTHONPATH`` gets tests/ so that they import the tests' datasets by name.
+"""
+
+import contextlib
+import os
+import time
+
+# Read by Ray when it is imported (conftest sets it first too): every node on 127.0.0.1.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+# The head notices a removed node within about a second (Ray's defaults: 15 s).
+FAST_FAILURE = {"health_check_period_ms": 200, "health_check_failure_threshold": 3, "health_check_timeout_ms": 500}
+
+
+@contextlib.contextmanager
+def local_cluster(nodes=(1, 1), resources=None, head_cpus=0):
+    """Start a head (with ``head_cpus``) and one node per entry of ``nodes`` (its CPUs), connect, and take it all
+    down afterwards.
+
+    ``resources``: per node, a dict of custom resources (a label such as {"prep": 1}). Yields
+    ``(cluster, [node, ...])``."""
+    import ray
+    from ray._private import ray_constants
+    from ray.cluster_utils import Cluster
+
+    assert not ray_constants.ENABLE_RAY_CLUSTER, "ray was imported before RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 was set"
+    path = os.environ.get("PYTHONPATH", "")
+    if TESTS_DIR not in path.split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, path) if p)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, "_system_config": FAST_FAILURE})
+    try:
+        added = [cluster.add_node(num_cpus=cpus, resources=(resources or [None] * len(nodes))[i] or {})
+                 for i, cpus in enumerate(nodes)]  # fmt: skip
+        ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=True)
+        cluster.wait_for_nodes()
+        yield cluster, added
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def alive_actors(class_name="RayWorker") -> list:
+    """Actors of fastfeed's worker class the cluster still counts as alive (from the GCS's actor table)."""
+    import ray
+
+    table = ray._private.state.actors()
+    return [a for a in table.values() if a.get("ActorClassName", "").endswith(class_name)
+            and a.get("State") not in ("DEAD",)]  # fmt: skip
+
+
+def wait_no_actors(timeout=10.0) -> list:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = alive_actors()
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.1)
+
+
+def owned_refs() -> int:
+    """Object references this driver holds (its reference table: every ray.put and every call's result)."""
+    import ray
+
+    counts = ray._private.worker.global_worker.core_worker.get_all_reference_counts()
+    return sum(1 for c in counts.values() if c.get("local", 0) or c.get("submitted", 0))

@@ -1,0 +1,117 @@
+"""Datasets for the Ray worker tests: importable by name in the actors (tests/ is on their PYTHONPATH)."""
+
+import os
+import time
+
+import torch
+import torch.utils.data as tud
+
+from _datasets import augmented_sample
+
+class SlowAugmented(tud.Dataset):
+    """Random augmentations from the worker RNGs, ``delay`` seconds per sample (so an epoch can be interrupted)."""
+
+    def __init__(self, n=48, width=3, delay=0.0):
+        self.n, self.width, self.delay = n, width, delay
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, index):
+        if self.delay:
+            time.sleep(self.delay)
+        return augmented_sample(index, self.width, False)
+
+
+class WhereAmI(tud.Dataset):
+    """Each sample says which worker made it and in which process (the actors' pids and worker info)."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        info = tud.get_worker_info()
+        return {"index": index, "pid": os.getpid(), "worker": info.id, "num_workers": info.num_workers,
+                "seed": info.seed, "offset": getattr(info.dataset, "offset", 0)}  # fmt: skip
+
+
+def set_offset(worker_id):
+    """worker_init_fn: the dataset copy of worker k gets offset 100 * (k + 1)."""
+    tud.get_worker_info().dataset.offset = 100 * (worker_id + 1)
+
+
+class Failing(tud.Dataset):
+    """Item 5 raises a dataset error (not a fault of the node)."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, index):
+        if index == 5:
+            raise KeyError(f"no sample {index} in this dataset")
+        return torch.tensor([index])
+
+
+class Sleepy(tud.Dataset):
+    """Item 2 takes 30 s: past any timeout a test sets."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        if index == 2:
+            time.sleep(30)
+        return torch.tensor([index])
+
+
+class KillsItsActor(tud.Dataset):
+    """Item 6 ends its process at once (os._exit), every time: a batch that keeps killing its worker."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, index):
+        if index == 6:
+            os._exit(1)
+        return torch.tensor([index])
+
+
+class PositionInSelf(tud.IterableDataset):
+    """An IterableDataset that is its own iterator and keeps counting across epochs (no state_dict): its
+    position lives only in the worker's copy."""
+
+    def __init__(self, per_epoch=6):
+        self.per_epoch = per_epoch
+        self.count = 0
+        self.left = 0
+
+    def __iter__(self):
+        self.left = self.per_epoch
+        return self
+
+    def __next__(self):
+        if self.left == 0:
+            raise StopIteration
+        self.left -= 1
+        self.count += 1
+        time.sleep(0.05)
+        return torch.tensor([tud.get_worker_info().id, self.count])
+
+
+class CountsPickles(tud.Dataset):
+    """Counts, in the process that pickles it, how often it was pickled."""
+
+    pickled = 0
+
+    def __init__(self, n=24):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, index):
+        return torch.tensor([index])
+
+    def __getstate__(self):
+        type(self).pickled += 1
+        return self.__dict__

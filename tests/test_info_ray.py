@@ -1,0 +1,82 @@
+"""`fastfeed info` and Ray: its version, a connected cluster's nodes and CPUs, and a bounded probe for one."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import types
+
+import pytest
+
+import fastfeed._workers
+from fastfeed import info
+
+pytestmark = pytest.mark.fastfeed_only
+
+SUMMARY = {"nodes": [{"node_id": "a1b2c3d4e5f6a7b8", "address": "127.0.0.1", "cpus": 0.0, "alive": True},
+                     {"node_id": "0f0e0d0c0b0a0908", "address": "127.0.0.1", "cpus": 4.0, "alive": True},
+                     {"node_id": "99887766554433", "address": "127.0.0.1", "cpus": 2.0, "alive": False}],
+           "cpus": 4.0}  # fmt: skip
+
+
+@pytest.fixture
+def ray_installed(monkeypatch):
+    """Ray 9.9.9 appears installed, whatever this environment has."""
+    real = info._package
+    monkeypatch.setattr(info, "_package", lambda module, dist: "9.9.9" if module == "ray" else real(module, dist))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+def test_without_ray_info_says_how_to_install_it(monkeypatch):
+    """No ray package: info reports it not installed, naming the extra, and probes nothing."""
+    real = info._package
+    monkeypatch.setattr(info, "_package", lambda module, dist: None if module == "ray" else real(module, dist))
+    monkeypatch.setattr(info.subprocess, "run", lambda *a, **k: pytest.fail("probed a cluster without Ray"))
+    ray = info._ray()
+    assert ray == {"version": None, "cluster": None, "status": "not installed (pip install 'fastfeed[ray]')"}
+    assert info._render_ray(ray) == ["ray: not installed (pip install 'fastfeed[ray]')"]
+
+
+def test_a_connected_process_shows_the_clusters_nodes_and_cpus(ray_installed, monkeypatch):
+    """ray.is_initialized() here: the cluster summary is read in this process and rendered node by node."""
+    fake_ray = types.SimpleNamespace(is_initialized=lambda: True)
+    connect = types.ModuleType("fastfeed._workers.ray_connect")
+    connect.cluster_summary = lambda: SUMMARY
+    monkeypatch.setitem(sys.modules, "ray", fake_ray)
+    monkeypatch.setitem(sys.modules, "fastfeed._workers.ray_connect", connect)
+    monkeypatch.setattr(fastfeed._workers, "ray_connect", connect, raising=False)
+    monkeypatch.setattr(info.subprocess, "run", lambda *a, **k: pytest.fail("probed though connected"))
+    ray = info._ray()
+    assert ray["cluster"] == SUMMARY and ray["status"] == "connected (this process)"
+    lines = info._render_ray(ray)
+    assert lines[0] == "ray 9.9.9: connected (this process), 2 node(s) alive of 3, 4 CPUs"
+    assert lines[2] == "  ray node 0f0e0d0c0b0a 127.0.0.1: 4 CPUs" and lines[3].endswith("(dead)")
+
+
+def test_the_probe_reads_a_running_clusters_summary_from_a_child(ray_installed, monkeypatch):
+    """Not connected here: a child process's summary of the cluster at RAY_ADDRESS is what info shows."""
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(is_initialized=lambda: False))
+    monkeypatch.setattr(info, "_RAY_PROBE", f"import json; print(json.dumps({{'cluster': {SUMMARY!r}}}))")
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    ray = info._ray()
+    assert ray["cluster"] == SUMMARY and ray["status"] == "running at RAY_ADDRESS=127.0.0.1:6379"
+
+
+def test_no_cluster_is_a_state_with_the_reason(ray_installed, monkeypatch):
+    """The child's connection error becomes the status; info still renders."""
+    probe = "import json; print(json.dumps({'error': 'RuntimeError: ray start --head'}))"
+    monkeypatch.setattr(info, "_RAY_PROBE", probe)
+    ray = info._ray()
+    assert ray["cluster"] is None and "no cluster connected" in ray["status"] and "ray start --head" in ray["status"]
+    assert info._render_ray(ray) == [f"ray 9.9.9: {ray['status']}"]
+    json.dumps(ray)
+
+
+def test_a_probe_that_hangs_is_cut_off(ray_installed, monkeypatch):
+    """A cluster address that never answers costs at most the probe's time limit."""
+    monkeypatch.setattr(info, "_RAY_PROBE", "import time; time.sleep(60)")
+    t0 = time.monotonic()
+    ray = info._ray(timeout_s=1.5)
+    assert time.monotonic() - t0 < 10
+    assert ray["cluster"] is None and "no answer" in ray["status"] and "within 2 s" in ray["status"]

@@ -1,0 +1,387 @@
+"""worker_type="ray": Ray actors as workers, with process workers' batches, errors and resume, surviving lost actors.
+
+One local cluster per module (a head and two nodes of 1 CPU each, all on 127.0.0.1: the head's CPU is the room a
+replacement actor takes when a node goes); batches are compared with torch's DataLoader on the same seed, bit for
+bit.
+"""
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch.utils.data as tud
+
+import _datasets as ds
+import _leaks
+import _ray_datasets as rds
+from _compare import assert_same, copy_batch, seed_all
+from _ray import alive_actors, local_cluster, owned_refs, wait_no_actors
+
+pytestmark = [pytest.mark.fastfeed_only, pytest.mark.ray_sockets]
+ray = pytest.importorskip("ray")
+
+import fastfeed  # noqa: E402
+from fastfeed._workers import ray_pool  # noqa: E402
+
+
+def _epochs(loader, epochs=1, seed=0):
+    seed_all(seed)
+    return [[copy_batch(b) for b in loader] for _ in range(epochs)]
+
+
+def _torch(dataset, epochs=1, seed=0, **kw):
+    return _epochs(tud.DataLoader(dataset, **kw), epochs, seed)
+
+
+def _workers_of(loader):
+    """The latest iterator's Ray workers (their actors and where they run)."""
+    it = loader._ff_last()
+    pool = it._pool
+    return pool.workers if isinstance(pool, ray_pool.RayPool) else pool.remote.workers
+
+
+def _where(loader, wid_index=0, timeout=30.0):
+    w = _workers_of(loader)[wid_index]
+    deadline = time.monotonic() + timeout
+    while w.where is None and time.monotonic() < deadline:
+        loader._ff_last()._pool.ready(w.wid)
+        time.sleep(0.01)
+    return w.where
+
+
+def test_with_no_cluster_the_error_says_how_to_start_one():
+    """With no ray.init and no running cluster, iterating names the problem and the commands that fix it."""
+    from ray._private.services import find_gcs_addresses
+
+    if find_gcs_addresses():
+        pytest.skip("another Ray cluster runs on this machine: ray.init(address='auto') would join it")
+    code = ("import fastfeed, torch\n"
+            "dl = fastfeed.DataLoader(torch.arange(8), batch_size=2, num_workers=1, worker_type='ray')\n"
+            "try:\n    next(iter(dl))\nexcept RuntimeError as e:\n    print('ERROR', e)\n")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert "ERROR worker_type='ray' runs on a running Ray cluster and found none" in out.stdout, out.stderr
+    assert "ray start --head" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    before = _leaks.children()
+    with local_cluster(nodes=(1, 1), resources=[None, {"prep": 1}], head_cpus=1) as (c, nodes):
+        # Warm up: the driver's connections to each node's raylet and object store open here, not inside a test
+        # whose descriptor check would count them.
+        loader = fastfeed.DataLoader(torch.arange(64).float(), batch_size=8, num_workers=2, worker_type="ray")
+        for _ in range(2):
+            for _ in loader:
+                pass
+        del loader
+        gc.collect()
+        wait_no_actors()
+        yield c, nodes
+    gc.collect()
+    assert _leaks.wait_for_no_leaks(_leaks.Snapshot(before, _leaks.open_fds(), _leaks.shm_segments()), 10) == []
+
+
+def test_map_style_batches_equal_torchs_with_random_augmentation(cluster):
+    """Shuffled map-style batches with torch, random and numpy augmentations equal torch's, two epochs running."""
+    data = ds.AugmentedDataset(n=26, width=4)
+    kw = dict(batch_size=3, shuffle=True, num_workers=2)
+    ref = _torch(data, epochs=2, generator=torch.Generator().manual_seed(7), **kw)
+    got = _epochs(fastfeed.DataLoader(data, worker_type="ray", generator=torch.Generator().manual_seed(7), **kw), 2)
+    assert_same(got, ref)
+
+
+def test_iterable_batches_equal_torchs_with_persistent_workers(cluster):
+    """An IterableDataset sharded by worker id, with random augmentation, equals torch's over two epochs of
+    persistent workers, uneven shards included."""
+    kw = dict(batch_size=4, num_workers=2, persistent_workers=True)
+    ref = _torch(ds.UnevenIterable(n=23), epochs=2, **kw)
+    got = _epochs(fastfeed.DataLoader(ds.UnevenIterable(n=23), worker_type="ray", **kw), 2)
+    assert_same(got, ref)
+
+
+def test_worker_info_and_worker_init_fn_run_in_the_actors(cluster):
+    """get_worker_info() inside an actor is torch's (id, num_workers, seed), worker_init_fn ran on the actor's copy,
+    and the samples were made in other processes than this one."""
+    kw = dict(batch_size=2, num_workers=2, worker_init_fn=rds.set_offset)
+    ref = _torch(rds.WhereAmI(), **kw)[0]
+    got = _epochs(fastfeed.DataLoader(rds.WhereAmI(), worker_type="ray", **kw))[0]
+    pids = {int(p) for b in got for p in b["pid"]}
+    assert os.getpid() not in pids and len(pids) == 2
+    for b in got + ref:
+        del b["pid"]
+    assert_same(got, ref)
+    assert [int(o) for b in got for o in b["offset"]] == [100 * (i // 2 % 2 + 1) for i in range(8)]
+
+
+def test_in_order_false_and_prefetch_factor(cluster):
+    """in_order=False yields the same batches (in any order); prefetch_factor bounds the tasks sent ahead."""
+    data = torch.arange(40).float().view(20, 2)  # no random draws: which worker makes a batch depends on timing
+    ref = _torch(data, batch_size=2, num_workers=2)[0]
+    got = _epochs(fastfeed.DataLoader(data, batch_size=2, num_workers=2, worker_type="ray", in_order=False))[0]
+    key = lambda b: float(b[0, 0])  # noqa: E731
+    assert_same(sorted(got, key=key), sorted(ref, key=key))
+    loader = fastfeed.DataLoader(rds.SlowAugmented(n=20, delay=0.05), batch_size=2, num_workers=2,
+                                 worker_type="ray", prefetch_factor=1)  # fmt: skip
+    it = iter(loader)
+    next(it)
+    owed = sum(type(msg) is fastfeed._workers.messages.Task for w in _workers_of(loader) for msg, _ in w.pending)
+    assert owed <= 2
+    del it
+
+
+def test_a_dataset_error_raises_its_type_with_the_actors_traceback(cluster, capfd):
+    """A dataset's exception in an actor raises in the loop with its type, its message and the actor's traceback;
+    it is not taken for a lost actor."""
+    loader = fastfeed.DataLoader(rds.Failing(), batch_size=2, num_workers=2, worker_type="ray")
+    with pytest.raises(KeyError) as caught:
+        list(loader)
+    text = str(caught.value)
+    assert "no sample 5" in text and "Ray actor" in text and "Original Traceback" in text
+    assert "in __getitem__" in text
+    del loader, caught
+    assert "was lost" not in capfd.readouterr().err
+
+
+def test_timeout_raises_torchs_error_and_leaves_no_actor(cluster):
+    """A batch slower than timeout raises torch's timeout error, and the stuck actor goes with the loader."""
+    loader = fastfeed.DataLoader(rds.Sleepy(), batch_size=2, num_workers=2, worker_type="ray", timeout=2)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="DataLoader timed out after 2 seconds"):
+        list(loader)
+    assert time.monotonic() - t0 < 15
+    del loader
+    gc.collect()
+    assert wait_no_actors() == []
+
+
+def test_resume_after_a_break_and_between_epochs(cluster):
+    """state_dict() after a break resumes with the rest of the epoch, and between epochs with the next one,
+    bit-identical to an uninterrupted run."""
+    data = ds.AugmentedDataset(n=24)
+    kw = dict(batch_size=3, shuffle=True, num_workers=2, worker_type="ray")
+    seed_all(3)
+    whole = fastfeed.DataLoader(data, generator=torch.Generator().manual_seed(1), **kw)
+    ref = [[copy_batch(b) for b in whole] for _ in range(2)]
+    seed_all(3)
+    first = fastfeed.DataLoader(data, generator=torch.Generator().manual_seed(1), **kw)
+    head = []
+    for b in first:
+        head.append(copy_batch(b))
+        if len(head) == 3:
+            break
+    state = first.state_dict()
+    del first
+    resumed = fastfeed.DataLoader(data, generator=torch.Generator().manual_seed(99), **kw)
+    resumed.load_state_dict(state)
+    rest = [copy_batch(b) for b in resumed]
+    between = resumed.state_dict()
+    assert_same(head + rest, ref[0])
+    again = fastfeed.DataLoader(data, generator=torch.Generator().manual_seed(99), **kw)
+    again.load_state_dict(between)
+    assert_same([copy_batch(b) for b in again], ref[1])
+
+
+def test_the_dataset_is_pickled_once_per_epoch_not_per_task(cluster):
+    """The dataset goes to the object store once per epoch (persistent_workers=False), whatever the batches."""
+    data = rds.CountsPickles(n=24)
+    loader = fastfeed.DataLoader(data, batch_size=2, num_workers=2, worker_type="ray")
+    for _ in range(2):
+        assert sum(1 for _ in loader) == 12
+    assert rds.CountsPickles.pickled == 2
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
+def test_local_processes_and_ray_actors_in_one_loader_equal_torch(cluster):
+    """worker_type=("process", "ray") with num_workers=(1, 1) gives torch's batches for num_workers=2: worker 0 a
+    process of this machine's, worker 1 an actor."""
+    kw = dict(batch_size=2, num_workers=2, worker_init_fn=rds.set_offset)
+    ref = _torch(rds.WhereAmI(), **kw)[0]
+    loader = fastfeed.DataLoader(rds.WhereAmI(), batch_size=2, num_workers=(1, 1), worker_init_fn=rds.set_offset,
+                                 worker_type=("process", "ray"))  # fmt: skip
+    assert loader.num_workers == 2 and loader.worker_split == (1, 1)
+    got = _epochs(loader)[0]
+    by_worker = {int(w): int(p) for b in got for w, p in zip(b["worker"], b["pid"])}
+    assert _leaks.is_alive(by_worker[1]) and by_worker[0] != by_worker[1]
+    for b in got + ref:
+        del b["pid"]
+    assert_same(got, ref)
+    data = ds.AugmentedDataset(n=18)
+    ref = _torch(data, batch_size=3, num_workers=3, shuffle=True, generator=torch.Generator().manual_seed(5))
+    got = _epochs(fastfeed.DataLoader(data, batch_size=3, num_workers=(2, 1), worker_type=("process", "ray"),
+                                      shuffle=True, generator=torch.Generator().manual_seed(5)))  # fmt: skip
+    assert_same(got, ref)
+    # Out of order, over an iterable whose local worker ends long before the actor: the same samples.
+    ref = _torch(ds.UnevenIterable(n=23), batch_size=2, num_workers=2)[0]
+    got = _epochs(fastfeed.DataLoader(ds.UnevenIterable(n=23), batch_size=2, num_workers=(1, 1), in_order=False,
+                                      worker_type=("process", "ray")))[0]  # fmt: skip
+    key = lambda b: int(b["index"][0])  # noqa: E731
+    assert_same(sorted(got, key=key), sorted(ref, key=key))
+
+
+def test_ray_options_place_the_actors(cluster):
+    """ray_options' resources put every actor on the node labelled for preprocessing."""
+    _, nodes = cluster
+    loader = fastfeed.DataLoader(rds.WhereAmI(), batch_size=2, num_workers=2, worker_type="ray",
+                                 ray_options={"num_cpus": 0.25, "resources": {"prep": 0.5}})  # fmt: skip
+    it = iter(loader)
+    next(it)
+    assert {_where(loader, i)["node_id"] for i in range(2)} == {nodes[1].node_id}
+    del it
+
+
+def test_bad_arguments_say_what_to_pass():
+    """Mismatched worker_type / num_workers / ray_options raise ValueErrors naming the fix."""
+    data = torch.arange(4)
+    with pytest.raises(ValueError, match=r"num_workers=\(local, remote\)"):
+        fastfeed.DataLoader(data, worker_type=("process", "ray"), num_workers=2)
+    with pytest.raises(ValueError, match="takes one count"):
+        fastfeed.DataLoader(data, worker_type="ray", num_workers=(1, 1))
+    with pytest.raises(ValueError, match="ray_options are Ray's actor options"):
+        fastfeed.DataLoader(data, num_workers=1, ray_options={"num_cpus": 1})
+    with pytest.raises(ValueError, match="the one pair of worker types"):
+        fastfeed.DataLoader(data, worker_type=("thread", "ray"), num_workers=(1, 1))
+
+
+def test_an_actor_with_no_room_on_the_cluster_raises_instead_of_waiting(cluster, monkeypatch):
+    """An actor no node can host (more CPUs than any has) raises after the start timeout, naming what to change."""
+    monkeypatch.setenv("FASTFEED_RAY_START_TIMEOUT_S", "2")
+    loader = fastfeed.DataLoader(torch.arange(8), batch_size=2, num_workers=1, worker_type="ray",
+                                 ray_options={"num_cpus": 64})  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"found no node with room for it in 2 s \(actor options \{'num_cpus': 64"):
+        next(iter(loader))
+    del loader
+    gc.collect()
+    assert wait_no_actors() == []
+
+
+def test_without_ray_installed_the_error_names_the_extra(monkeypatch):
+    """Where Ray is not installed, a Ray loader says which extra installs it (and building one needs nothing)."""
+    monkeypatch.setitem(sys.modules, "ray", None)
+    loader = fastfeed.DataLoader(torch.arange(8), batch_size=2, num_workers=1, worker_type="ray")
+    with pytest.raises(ImportError, match=r"pip install 'fastfeed\[ray\]'"):
+        iter(loader)
+
+
+def test_kill_9_of_an_actor_mid_epoch_loses_and_repeats_nothing(cluster, capfd):
+    """An actor killed with SIGKILL mid-epoch is replaced from its last state: the epoch equals torch's."""
+    data = rds.SlowAugmented(n=40, delay=0.02)
+    kw = dict(batch_size=4, shuffle=True, num_workers=2)
+    ref = _torch(data, generator=torch.Generator().manual_seed(2), **kw)[0]
+    loader = fastfeed.DataLoader(data, worker_type="ray", generator=torch.Generator().manual_seed(2), **kw)
+    seed_all(0)
+    got = []
+    for b in loader:
+        got.append(copy_batch(b))
+        if len(got) == 3:
+            os.kill(_where(loader, 0)["pid"], signal.SIGKILL)
+    assert_same(got, ref)
+    assert "DataLoader worker 0 (Ray actor) was lost" in capfd.readouterr().err
+
+
+def test_removing_a_node_mid_epoch_loses_and_repeats_nothing(cluster, capfd):
+    """A node removed mid-epoch (its actor with it) costs nothing: the epoch completes with torch's batches."""
+    c, nodes = cluster
+    data = ds.ShardedIterable(n=40)
+    kw = dict(batch_size=4, num_workers=2)
+    ref = _torch(data, **kw)[0]
+    loader = fastfeed.DataLoader(data, worker_type="ray", **kw)
+    seed_all(0)
+    got, lost = [], None
+    for b in loader:
+        got.append(copy_batch(b))
+        if len(got) == 3:  # a worker node, not the head, whose end would be the cluster's
+            lost = next(i for i in range(2) if _where(loader, i)["node_id"] in {n.node_id for n in nodes})
+            c.remove_node(next(n for n in nodes if n.node_id == _where(loader, lost)["node_id"]))
+    assert_same(got, ref)
+    assert f"DataLoader worker {lost} (Ray actor) was lost" in capfd.readouterr().err
+
+
+def test_a_batch_that_keeps_killing_its_actor_raises_naming_it(cluster):
+    """A batch whose every attempt ends its actor raises after a bounded number of replacements, naming the batch
+    and its sample indices."""
+    loader = fastfeed.DataLoader(rds.KillsItsActor(), batch_size=2, num_workers=2, worker_type="ray")
+    with pytest.raises(fastfeed._workers.pool.WorkerDied, match=r"lost 4 times while it held batch 3 "
+                                                                 r"\(sample indices \[6, 7\]\)"):  # fmt: skip
+        list(loader)
+
+
+def test_an_unrecoverable_iterable_position_raises_a_clear_error(cluster):
+    """An IterableDataset that keeps its position in itself across epochs of persistent workers cannot be rebuilt
+    on a new actor: losing one then raises saying so (in the first epoch it is replayed instead)."""
+    loader = fastfeed.DataLoader(rds.PositionInSelf(), batch_size=None, num_workers=2, worker_type="ray",
+                                 persistent_workers=True)  # fmt: skip
+    first = []
+    for b in loader:
+        first.append(b.tolist())
+        if len(first) == 2:
+            os.kill(_where(loader, 0)["pid"], signal.SIGKILL)
+    assert sorted(first) == sorted([w, k] for w in (0, 1) for k in range(1, 7))
+    with pytest.raises(fastfeed._workers.pool.WorkerDied, match="its position cannot be rebuilt"):
+        for i, _ in enumerate(loader):
+            if i == 1:
+                os.kill(_where(loader, 0)["pid"], signal.SIGKILL)
+    del loader
+    gc.collect()
+
+
+def test_nothing_is_left_behind_after_delete_error_or_ctrl_c(cluster):
+    """After a loader is deleted (mid-epoch or after whole epochs), a dataset error or Ctrl-C, no actor of
+    fastfeed's is alive and no object reference of its remains."""
+    gc.collect()
+    refs = owned_refs()
+    loader = fastfeed.DataLoader(rds.SlowAugmented(n=40, delay=0.01), batch_size=2, num_workers=2,
+                                 worker_type="ray")  # fmt: skip
+    for _ in loader:
+        pass
+    assert len(alive_actors()) == 2  # kept for the next epoch
+    it = iter(loader)
+    next(it)
+    del it, loader
+    gc.collect()
+    assert wait_no_actors() == [] and owned_refs() <= refs
+    loader = fastfeed.DataLoader(rds.Failing(), batch_size=2, num_workers=2, worker_type="ray")
+    with pytest.raises(KeyError):
+        list(loader)
+    del loader
+    gc.collect()
+    assert wait_no_actors() == [] and owned_refs() <= refs
+    loader = fastfeed.DataLoader(rds.Sleepy(), batch_size=2, num_workers=2, worker_type="ray")
+    timer = threading.Timer(1.5, signal.raise_signal, (signal.SIGINT,))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        list(loader)
+    timer.join()
+    assert wait_no_actors() == [], "Ctrl-C kills the actors at once, even while the loader lives"
+    del loader
+    gc.collect()
+    assert owned_refs() <= refs
+
+
+def test_every_connection_of_the_cluster_stays_on_loopback(cluster):
+    """Every node's address is 127.0.0.1 and every TCP connection of the cluster's processes is loopback."""
+    import psutil
+
+    assert {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]} == {"127.0.0.1"}
+    loader = fastfeed.DataLoader(torch.arange(32).float(), batch_size=4, num_workers=2, worker_type="ray")
+    it = iter(loader)
+    next(it)
+    procs = [psutil.Process()] + psutil.Process().children(recursive=True)
+    outward = []
+    for p in procs:
+        try:
+            conns = p.net_connections(kind="inet")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        for conn in conns:
+            ends = [conn.laddr] + ([conn.raddr] if conn.raddr else [])
+            if conn.raddr and not all(e.ip.removeprefix("::ffff:").startswith("127.") or e.ip == "::1" for e in ends):
+                outward.append((p.pid, p.name(), conn))
+    del it
+    assert outward == []
