@@ -384,8 +384,10 @@ def ray_markdown(res: dict) -> str:
                          f"{_ratio(row['vs_capped'], bold=True)} |")
     mixed = res.get("mixed")
     if mixed:
-        lines += ["", f"| CPU-bound (t_batch {fmt(mixed['t_batch_s'] * 1e3)} ms of CPU, {mixed['machine_cores']} "
-                  f"cores) | batches/s | / process {mixed['local']} |", "|---|---|---|"]  # fmt: skip
+        cpu = mixed.get("cpu_s_per_batch")
+        lines += ["", f"| CPU-bound ({fmt(cpu * 1e3) + ' ms of CPU a batch, ' if cpu else ''}t_batch "
+                  f"{fmt(mixed['t_batch_s'] * 1e3)} ms, {mixed['machine_cores']} cores) | batches/s | "
+                  f"/ process {mixed['local']} |", "|---|---|---|"]  # fmt: skip
         for side, figs in mixed["loaders"].items():
             vs = mixed["vs"].get(side)
             lines.append(f"| {side} | {_range(figs['batches_per_s'], digits=1)} | "

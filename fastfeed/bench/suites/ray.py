@@ -402,7 +402,7 @@ def mixed_part(args, say: Callable = print) -> dict:
             runs[name].append(dict(rec, **win, round=rnd))
             say(f"  ray mixed round {rnd + 1}: {name:18} {win['batches_per_s']:6.1f} batches/s")
     out: dict[str, Any] = {"local": local, "remote": list(args.mixed_remote), "t_batch_s": t_batch,
-                           "spin_ms_per_sample": args.spin_ms, "machine_cores": os.cpu_count(), "loaders": {},
+                           "cpu_s_per_batch": BATCH * cost, "spin_ms_per_sample": args.spin_ms, "machine_cores": os.cpu_count(), "loaders": {},
                            "vs": {}}  # fmt: skip
     for name, recs in runs.items():
         out["loaders"][name] = {"batches_per_s": stats([x["batches_per_s"] for x in recs]), "rounds": recs}
@@ -415,7 +415,7 @@ def mixed_part(args, say: Callable = print) -> dict:
 # --- the run --------------------------------------------------------------------------------------------------------
 
 DEFAULTS = dict(rounds=5, warmup=10, batches=100, pool_items=None, actors=[1, 2, 4, 8, 16], windows=3,
-                window_s=2.0, t_batch=0.15, receive_actors=8, receive_batches=200, mixed_batches=40)
+                window_s=2.0, t_batch=0.15, receive_actors=8, receive_batches=200, mixed_batches=80)
 QUICK = dict(rounds=2, warmup=3, batches=10, pool_items=256, actors=[1, 2, 4], windows=1, window_s=1.0,
              t_batch=0.1, receive_actors=4, receive_batches=40, mixed_batches=8)
 
