@@ -74,6 +74,9 @@ def _ray(timeout_s: float = RAY_PROBE_S) -> dict:
         from ._workers import ray_connect
 
         return {"version": version, "cluster": ray_connect.cluster_summary(), "status": "connected (this process)"}
+    if not os.environ.get("RAY_ADDRESS") and not _gcs_running():
+        return {"version": version, "cluster": None,
+                "status": "no cluster running on this machine, and RAY_ADDRESS is not set"}  # fmt: skip
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this fastfeed, whatever the child's path
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     where = f"RAY_ADDRESS={os.environ['RAY_ADDRESS']}" if os.environ.get("RAY_ADDRESS") else 'address="auto"'
@@ -92,6 +95,23 @@ def _ray(timeout_s: float = RAY_PROBE_S) -> dict:
         return {"version": version, "cluster": answer["cluster"], "status": f"running at {where}"}
     why = answer.get("error") or (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
     return {"version": version, "cluster": None, "status": f"no cluster connected at {where} ({why})"}
+
+
+def _gcs_running() -> bool:
+    """Whether a Ray head runs on this machine (its gcs_server process), which address="auto" would find: without
+    one and without RAY_ADDRESS there is nothing to connect to, and no need to spend seconds importing Ray."""
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return True  # cannot tell: ask
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == "gcs_server":
+                    return True
+        except OSError:
+            continue
+    return False
 
 
 def _pinning() -> str:

@@ -67,6 +67,7 @@ def test_no_cluster_is_a_state_with_the_reason(ray_installed, monkeypatch):
     """The child's connection error becomes the status; info still renders."""
     probe = "import json; print(json.dumps({'error': 'RuntimeError: ray start --head'}))"
     monkeypatch.setattr(info, "_RAY_PROBE", probe)
+    monkeypatch.setattr(info, "_gcs_running", lambda: True)
     ray = info._ray()
     assert ray["cluster"] is None and "no cluster connected" in ray["status"] and "ray start --head" in ray["status"]
     assert info._render_ray(ray) == [f"ray 9.9.9: {ray['status']}"]
@@ -76,7 +77,21 @@ def test_no_cluster_is_a_state_with_the_reason(ray_installed, monkeypatch):
 def test_a_probe_that_hangs_is_cut_off(ray_installed, monkeypatch):
     """A cluster address that never answers costs at most the probe's time limit."""
     monkeypatch.setattr(info, "_RAY_PROBE", "import time; time.sleep(60)")
+    monkeypatch.setattr(info, "_gcs_running", lambda: True)
     t0 = time.monotonic()
     ray = info._ray(timeout_s=1.5)
     assert time.monotonic() - t0 < 10
     assert ray["cluster"] is None and "no answer" in ray["status"] and "within 2 s" in ray["status"]
+
+
+def test_with_no_head_here_and_no_address_info_asks_no_child(ray_installed, monkeypatch):
+    """No Ray head process on this machine and no RAY_ADDRESS: the status says so at once, without a probe."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(info, "_gcs_running", lambda: False)
+
+    def no_child(*args, **kwargs):
+        raise AssertionError("no probe should run")
+
+    monkeypatch.setattr(info.subprocess, "run", no_child)
+    ray = info._ray()
+    assert ray["cluster"] is None and ray["status"] == "no cluster running on this machine, and RAY_ADDRESS is not set"
