@@ -7,7 +7,7 @@
 
 import re
 
-OPTIONAL = ("aiohttp", "matplotlib", "pynvml", "PIL", "nvidia.dali", "accelerate")
+OPTIONAL = ("aiohttp", "matplotlib", "pynvml", "PIL", "nvidia.dali", "accelerate", "ray")
 
 BASE_INSTALL = f'''
 import importlib.abc, importlib.machinery, importlib.util, os, sys
