@@ -109,7 +109,8 @@ class RayWorker:
         )  # fmt: skip
         self._thread.start()
         restored = self._ask(m.StateRequest(-1)) if resume is not None and resume["mid_epoch"] else None
-        return {"state": self._ask(m.StateRequest(None)), "restored": restored, "where": self.where()}
+        return {"state": to_wire(self._ask(m.StateRequest(None))), "restored": to_wire(restored),
+                "where": self.where()}  # fmt: skip
 
     def call(self, msg):
         """Hand ``msg`` to the loop. Returns ``(answer or None, state after it or None, batch bytes or None)``."""
@@ -119,9 +120,9 @@ class RayWorker:
         state = buf = None
         kind = type(reply)
         if kind in (m.Done, m.Failed, m.IterEnd):
-            state = self._ask(m.StateRequest(reply.idx))
+            state = to_wire(self._ask(m.StateRequest(reply.idx)))
         elif kind is m.ResumeAck:
-            state = self._ask(m.StateRequest(None))
+            state = to_wire(self._ask(m.StateRequest(None)))
         if kind is m.Done and reply.nbytes:
             buf, self._writer.buffer = self._writer.buffer, None
         return reply, state, buf
@@ -138,6 +139,44 @@ class RayWorker:
             self._tasks.put(m.Stop())
             self._thread.join(timeout=5.0)  # one stuck in the dataset is left (a daemon); its queues are dropped
         self._thread = None
+
+
+def to_wire(reply: m.StateReply | None) -> m.StateReply | None:
+    """A state with its RNGs' tensors as numpy arrays: Ray pickles an array in microseconds and a tensor in a
+    fraction of a millisecond, and a state goes with every batch but is read only for a replacement or a
+    ``state_dict()`` (``from_wire``)."""
+    if reply is None or isinstance(reply, _Crashed):
+        return reply
+    return reply._replace(state=_rngs(reply.state, torch.Tensor.numpy), epoch_start=_rngs(reply.epoch_start,
+                                                                                         torch.Tensor.numpy))
+
+
+def owned(reply: m.StateReply | None) -> m.StateReply | None:
+    """``to_wire``'s state with arrays of its own: what Ray hands back views the object the batch came in, and a
+    kept state would keep that whole object (megabytes) in the object store."""
+    if reply is None:
+        return None
+    return reply._replace(state=_rngs(reply.state, np.array), epoch_start=_rngs(reply.epoch_start, np.array))
+
+
+def from_wire(reply: m.StateReply | None) -> m.StateReply | None:
+    """``to_wire``'s state with its tensors back (copies: what Ray hands back may be read-only)."""
+    if reply is None:
+        return None
+    return reply._replace(state=_rngs(reply.state, torch.tensor), epoch_start=_rngs(reply.epoch_start, torch.tensor))
+
+
+def _rngs(state: dict | None, convert) -> dict | None:
+    """``state`` (RNGs as ``_state.rngs_to_plain`` gives them, and more) with the torch state and the numpy keys
+    converted."""
+    if state is None:
+        return None
+    state = dict(state)
+    state["torch"] = convert(state["torch"])
+    if state.get("numpy") is not None:
+        name, keys, *rest = state["numpy"]
+        state["numpy"] = (name, convert(keys), *rest)
+    return state
 
 
 class _Crashed:

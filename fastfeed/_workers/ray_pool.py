@@ -30,6 +30,7 @@ from .._native import C
 from . import messages as m
 from .loop import SlotWriter
 from .pool import STATUS_CHECK_S, Clock, WorkerDied
+from .ray_actor import from_wire, owned
 
 MAX_LOSSES = 3  # replacement actors one batch may cost before it, not the cluster, is blamed
 SPARE_GRACE_S = 1.0  # an actor not placed by then may be waiting for CPUs that idle spare actors hold
@@ -310,14 +311,15 @@ class RayPool:
         """Record an answer; returns the message to hand to the iterator, or None (nothing to hand)."""
         if msg is _START:
             if w.start is None:  # a replacement's start is its resumed state, not the epoch's
-                w.start = answer["state"]
+                w.start = owned(answer["state"])
                 if answer.get("restored") is not None:  # load_state_dict's: "task -1", until its next task
-                    w.last = w.states[-1] = answer["restored"]
+                    w.last = w.states[-1] = owned(answer["restored"])
             w.where = answer["where"]
             return None
         reply, state, buf = answer
         if reply is None:
             return None  # a task after its iterable ended: torch's worker sends nothing for it either
+        state = owned(state)
         if state is not None:
             if type(reply) is m.ResumeAck:
                 w.start, w.last = state, None
@@ -343,8 +345,8 @@ class RayPool:
 
     def _state_reply(self, w: _Worker, after_idx: int | None) -> m.StateReply:
         if after_idx is None:
-            return w.start
-        state = w.states.get(after_idx)
+            return from_wire(w.start)
+        state = from_wire(w.states.get(after_idx))
         if state is None:
             raise RuntimeError(f"DataLoader worker {w.wid} (Ray actor) no longer holds its state after task "
                                f"{after_idx}")  # fmt: skip
@@ -366,7 +368,7 @@ class RayPool:
                              f"{self._unrecoverable}") from error  # fmt: skip
         _kill(self.ray, w.actor)
         w.actor = self._cls.remote()  # not a spare: one of those may sit on the node that just went
-        last = w.last if w.last is not None else w.start
+        last = from_wire(w.last if w.last is not None else w.start)
         resume = None
         if last is not None:
             resume = {"state": last.state, "epoch_start": last.epoch_start, "mid_epoch": True,
