@@ -198,6 +198,25 @@ def test_the_dataset_is_pickled_once_per_epoch_not_per_task(cluster):
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
+def test_kept_states_hold_no_view_of_a_batchs_object(cluster):
+    """The states kept for replacements own their arrays: a view would pin the batch's whole object (megabytes)
+    in the object store for as long as the state is kept, and the store fills and spills."""
+    import numpy as np
+
+    loader = fastfeed.DataLoader(ds.BigItemDataset(n=16, nbytes=1 << 18), batch_size=2, num_workers=2,
+                                 worker_type="ray")  # fmt: skip
+    it = iter(loader)
+    for _ in range(5):
+        next(it)
+    arrays = []
+    for w in _workers_of(loader):
+        for reply in [w.start, *w.states.values()]:
+            for part in (reply.state, reply.epoch_start):
+                arrays += [part["torch"], part["numpy"][1]]
+    assert arrays and all(isinstance(a, np.ndarray) and a.base is None for a in arrays)
+    del it
+
+
 def test_local_processes_and_ray_actors_in_one_loader_equal_torch(cluster):
     """worker_type=("process", "ray") with num_workers=(1, 1) gives torch's batches for num_workers=2: worker 0 a
     process of this machine's, worker 1 an actor."""
