@@ -1,6 +1,7 @@
 """Running a loader in a script of its own: for signals, exits and deaths of the whole process."""
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -43,15 +44,23 @@ def start_script(body, **env_vars):
 
 
 def read_stderr_until(proc, text, count, seconds=20.0):
-    """What the script wrote to stderr until ``text`` appeared ``count`` times (or it stopped, or time ran out)."""
+    """What the script wrote to stderr until ``text`` appeared ``count`` times (or it stopped, or time ran out).
+
+    Reads the pipe's descriptor with a deadline: a script that prints less than expected and then nothing more
+    must not hold the test in a blocking read.
+    """
     deadline = time.monotonic() + seconds
-    err = ""
-    while time.monotonic() < deadline and err.count(text) < count:
-        line = proc.stderr.readline()
-        if not line:
+    fd = proc.stderr.fileno()
+    raw = b""
+    while raw.decode(errors="replace").count(text) < count:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
             break
-        err += line
-    return err
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        raw += chunk
+    return raw.decode(errors="replace")
 
 
 def finish(proc, timeout):
