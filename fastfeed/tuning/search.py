@@ -220,17 +220,22 @@ class Search:
         if not trials:
             return None
         curve = {nw: t.median for nw, t in trials.items()}
-        bar = self._bar(trials.values())
-        knee = min(nw for nw, t in curve.items() if t >= bar)
-        below = max((nw for nw in curve if nw < knee), default=self.lo - 1)
+        return self._refine(curve, self._bar(trials.values()), self.lo - 1, self._setting)
+
+    def _refine(self, rate: dict, bar: float, floor: int, setting_for) -> Setting | None:
+        """The next count to measure on a curve of rates by count (workers, or Ray actors): halfway between the knee
+        (the least count within tolerance of the best) and the measured count below it (``floor`` if none), or
+        between the peak and a count after it that measured much lower. None: the curve is resolved."""
+        knee = min(n for n, v in rate.items() if v >= bar)
+        below = max((n for n in rate if n < knee), default=floor)
         if knee - below > 1:
-            proposal = self._new(self._setting((below + knee + 1) // 2))  # rounded up: knees sit high
+            proposal = self._new(setting_for((below + knee + 1) // 2))  # rounded up: knees sit high
             if proposal is not None:
                 return proposal
-        peak = max(curve, key=curve.get)
-        right = min((nw for nw in curve if nw > peak), default=None)
-        if right is not None and right - peak > 1 and curve[right] < (1 - self.tolerance) * curve[peak]:
-            return self._new(self._setting((peak + right) // 2))
+        peak = max(rate, key=rate.get)
+        right = min((n for n in rate if n > peak), default=None)
+        if right is not None and right - peak > 1 and rate[right] < (1 - self.tolerance) * rate[peak]:
+            return self._new(setting_for((peak + right) // 2))
         return None
 
     def _knee(self) -> Setting:
@@ -303,19 +308,7 @@ class Search:
         if not curve:
             return None
         curve[0] = self.trials[self._local]
-        bar = self._bar(curve.values())
-        rate = {r: t.median for r, t in curve.items()}
-        knee = min(r for r, v in rate.items() if v >= bar)
-        below = max((r for r in rate if r < knee), default=0)
-        if knee - below > 1:
-            proposal = self._new(self._with_remote((below + knee + 1) // 2))
-            if proposal is not None:
-                return proposal
-        peak = max(rate, key=rate.get)
-        right = min((r for r in rate if r > peak), default=None)
-        if right is not None and right - peak > 1 and rate[right] < (1 - self.tolerance) * rate[peak]:
-            return self._new(self._with_remote((peak + right) // 2))
-        return None
+        return self._refine({r: t.median for r, t in curve.items()}, self._bar(curve.values()), 0, self._with_remote)
 
     def _confirm(self):
         """A choice cheaper than the best measured is measured once more before it is taken.
