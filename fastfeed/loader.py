@@ -130,7 +130,6 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         if worker_type == _workers.RAY and self.multiprocessing_context is not None:
             raise ValueError("multiprocessing_context applies to worker processes; worker_type='ray' starts Ray "
                              "actors. Pass one or the other.")  # fmt: skip
-        self.worker_type = worker_type
         self.ray_options = ray_options
         self.reader = _reader(reader, self.dataset, self.device)
         if self.reader == "gds":

@@ -88,10 +88,6 @@ class Spare:
         if self._finalizer is None:
             self._finalizer = weakref.finalize(self, _kill_all, ray, self.actors)
 
-    def close(self) -> None:
-        if self._finalizer is not None:
-            self._finalizer()
-
 
 _all_spares: weakref.WeakSet = weakref.WeakSet()
 

@@ -207,20 +207,28 @@ class Search:
             proposal = self._new(zero)
             if proposal is not None:
                 return proposal
-        while self.hi > self.lo:  # the largest count that fits is the top of the range
-            top = self._setting(self.hi)
-            if top not in self.trials:
-                proposal = self._new(top)
-                if proposal is not None:
-                    return proposal
-            if not self.trials[top].skipped:
-                break
-            self.hi -= 1
+        proposal, self.hi = self._fitting_top(self.hi, self.lo, self._setting)
+        if proposal is not None:
+            return proposal
         trials = self._curve()
         if not trials:
             return None
         curve = {nw: t.median for nw, t in trials.items()}
         return self._refine(curve, self._bar(trials.values()), self.lo - 1, self._setting)
+
+    def _fitting_top(self, hi: int, lo: int, setting_for) -> tuple[Setting | None, int]:
+        """The largest count in ``lo < n <= hi`` whose setting fits (the top of the range; those over the budget
+        are skipped): a proposal to measure it, or None and the top found (``lo`` if none fits)."""
+        while hi > lo:
+            top = setting_for(hi)
+            if top not in self.trials:
+                proposal = self._new(top)
+                if proposal is not None:
+                    return proposal, hi
+            if not self.trials[top].skipped:
+                break
+            hi -= 1
+        return None, hi
 
     def _refine(self, rate: dict, bar: float, floor: int, setting_for) -> Setting | None:
         """The next count to measure on a curve of rates by count (workers, or Ray actors): halfway between the knee
@@ -291,16 +299,9 @@ class Search:
             self._local = self.choice()  # no remote trial yet: the best of the local ones
             if self._local is None:
                 return None
-        hi = self.max_remote
-        while hi > 1:  # the largest count that fits is the top of the range
-            top = self._with_remote(hi)
-            if top not in self.trials:
-                proposal = self._new(top)
-                if proposal is not None:
-                    return proposal
-            if not self.trials[top].skipped:
-                break
-            hi -= 1
+        proposal, hi = self._fitting_top(self.max_remote, 1, self._with_remote)
+        if proposal is not None:
+            return proposal
         if hi == 1 and self._with_remote(1) not in self.trials:
             return self._new(self._with_remote(1))
         curve = {t.setting.remote: t for t in self._measured()
