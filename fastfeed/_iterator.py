@@ -145,10 +145,16 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         elif remote:
             self._pool = self._ray_pool(loader, spec, context, local, remote, dump_s)
         else:
+            preload()
+            parent = os.getpid()
             try:
-                # Worker 0 gets its first tasks while the others are forked.
-                self._pool = self._processes(context, spec, self._num_workers, dump_s,
-                                             first_started=lambda pool: self._start_epoch(loader, pool))
+                # Worker 0 gets its first tasks while the others are forked. Built here, not in a helper: torch's
+                # pickle warning names this frame's caller (Pool's stacklevel counts the frames).
+                self._pool = Pool(
+                    context, self._num_workers, worker_main,
+                    lambda wid: (wid, spec, parent, self._worker_resume(wid)), dump_s,
+                    first_started=lambda pool: self._start_epoch(loader, pool),
+                )  # fmt: skip
             except BaseException:
                 self._ring.in_use = False  # the workers that started are stopped: none writes into it
                 raise
@@ -176,20 +182,15 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
             raise
         if not local:
             return actors
+        preload()
+        parent = os.getpid()
         try:
-            procs = self._processes(context, spec, local, dump_s)
+            procs = Pool(context, local, worker_main, lambda wid: (wid, spec, parent, self._worker_resume(wid)), dump_s)
         except BaseException:
             actors.stop()
             ring.in_use = False
             raise
         return ray_pool.MixedPool(procs, actors)
-
-    def _processes(self, context, spec, n: int, dump_s: float, first_started=None) -> Pool:
-        """Worker processes ``0 .. n-1``, each resumed where ``load_state_dict`` says."""
-        preload()
-        parent = os.getpid()
-        return Pool(context, n, worker_main, lambda wid: (wid, spec, parent, self._worker_resume(wid)), dump_s,
-                    first_started=first_started)  # fmt: skip
 
     def _unrecoverable(self) -> str | None:
         """Why a lost Ray actor's position could not be rebuilt in a later epoch of persistent workers, or None.
