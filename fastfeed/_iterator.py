@@ -313,7 +313,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         user yet; the state is the one from before them.
         """
         if not self._in_order:
-            raise ValueError("DataLoader.state_dict() needs in_order=True: out of order, batches depend on timing")
+            raise ValueError(_state.OUT_OF_ORDER)
         mid_epoch = not self._finished or held_back > 0
         last_task = self._last_task
         if held_back:

@@ -19,6 +19,14 @@ import sys
 
 import torch
 
+# Why a mid-epoch state is refused with in_order=False, for every kind of dataset (the loader's and the iterator's
+# refusals say the same).
+OUT_OF_ORDER = (
+    "DataLoader.state_dict() mid-epoch needs in_order=True: with in_order=False batches arrive in the order the "
+    "workers finish them, so the batches received are not the epoch's first ones and no saved position resumes "
+    "the epoch exactly. Build the loader with in_order=True to checkpoint mid-epoch."
+)
+
 
 def is_stateful(obj) -> bool:
     """An object that saves and restores its own position (``state_dict()``/``load_state_dict()``), as torchdata's

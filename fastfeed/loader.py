@@ -378,6 +378,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         """The state of a dataset whose position is the rank's batches received (``fastfeed.io.Shards``): no
         worker's state enters it, so it continues with any ``num_workers`` (and, for Shards, any world size)."""
         mid_epoch = it is not None and (not it._finished or held_back > 0)
+        if mid_epoch and not getattr(it, "_in_order", True):  # the batches received are not the epoch's first
+            raise ValueError(_state.OUT_OF_ORDER)
         yielded = it._num_yielded - held_back if mid_epoch else None
         return dict(self._between_epochs(own_state=False), mid_epoch=mid_epoch, yielded=yielded or 0,
                     shards=self.dataset._ff_position(yielded))  # fmt: skip

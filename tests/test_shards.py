@@ -43,7 +43,8 @@ def rank_batches(directory, world, batch_size, *, epoch=0, loader=DataLoader, ds
         ds.set_epoch(epoch)
         dl = loader(ds, batch_size=batch_size, **loader_kw)
         batches = [b.tolist() for b in dl]
-        assert len(batches) == len(dl) == len(ds) // batch_size
+        assert len(batches) == len(dl) == -(-len(ds) // batch_size)
+        assert sum(len(b) for b in batches) == len(ds)
         out.append(batches)
     return out
 
@@ -65,6 +66,48 @@ def test_drop_last_drops_what_does_not_fill_a_global_batch(shard_dir):
     assert len(seen) == 60 and len(set(seen)) == 60
 
 
+@pytest.mark.parametrize("loader_kw", [{"num_workers": 0}, {"num_workers": 2}, {"num_workers": 2, "loader": TorchLoader}])
+def test_one_rank_yields_each_sample_once_with_a_short_last_batch_as_torch_does(tmp_path, loader_kw):
+    """One rank, no torch.distributed: 180 samples at batch 16 are 12 batches, the last of 4, each sample once:
+    the batch sizes and len() of torch's loader over 180 items."""
+    _shards.make(tmp_path, (40, 25, 35, 20, 30, 30))
+    loader_kw = dict(loader_kw)
+    loader = loader_kw.pop("loader", DataLoader)
+    ds = Shards(str(tmp_path), decode=_shards.as_tensor, shuffle=True, shuffle_window=2,
+                batch_size=16 if loader is TorchLoader else None)  # fmt: skip
+    dl = loader(ds, batch_size=16, **loader_kw)
+    batches = [b.tolist() for b in dl]
+    torch_batches = list(TorchLoader(range(180), batch_size=16))
+    assert [len(b) for b in batches] == [len(b) for b in torch_batches] == [16] * 11 + [4]
+    assert len(dl) == len(torch_batches) == 12 and len(ds) == 180
+    assert sorted(_shards.flat(batches)) == list(range(180))
+
+
+def test_even_batches_pads_one_rank_when_asked_and_drop_last_drops_the_short_batch(tmp_path):
+    """even_batches=True fills one rank's last batch with the epoch's first samples; drop_last=True drops it."""
+    _shards.make(tmp_path, (40, 25, 35, 20, 30, 30))
+    padded = _shards.flat(DataLoader(Shards(str(tmp_path), decode=_shards.as_tensor, even_batches=True),
+                                     batch_size=16))  # fmt: skip
+    assert len(padded) == 192 and padded[180:] == padded[:12]
+    dropped = _shards.flat(DataLoader(Shards(str(tmp_path), decode=_shards.as_tensor), batch_size=16,
+                                      drop_last=True))  # fmt: skip
+    assert len(dropped) == 176 == len(set(dropped))
+    with pytest.raises(TypeError, match="even_batches must be True, False or None"):
+        Shards(str(tmp_path), even_batches="yes")
+
+
+def test_several_ranks_are_padded_unless_even_batches_is_false(shard_dir):
+    """3 ranks over 65 samples at batch 4: padded to 6 full batches each by default; even_batches=False deals
+    every sample once, the rank holding the epoch's end a short last batch and the ranks after it one fewer."""
+    padded = rank_batches(shard_dir, 3, 4, num_workers=0)
+    assert [len(r) for r in padded] == [6, 6, 6] and all(len(b) == 4 for r in padded for b in r)
+    uneven = rank_batches(shard_dir, 3, 4, num_workers=2, ds_kw={"even_batches": False})
+    assert [[len(b) for b in r][-1:] for r in uneven] == [[4], [1], [4]]
+    assert [len(r) for r in uneven] == [6, 6, 5]
+    seen = _shards.flat([b for r in uneven for b in r])
+    assert sorted(seen) == list(range(N))
+
+
 @pytest.mark.parametrize("world,batch_size,loader_kw", [
     (1, 12, {"num_workers": 0}),
     (2, 6, {"num_workers": 2}),
@@ -74,13 +117,14 @@ def test_drop_last_drops_what_does_not_fill_a_global_batch(shard_dir):
 ])  # fmt: skip
 def test_the_global_sequence_depends_on_neither_the_world_size_nor_the_workers(shard_dir, world, batch_size, loader_kw):
     """With the same global batch, any world size and any num_workers (process, thread, torch's loader) yield the
-    same global sequence of samples."""
+    same global sequence of samples (one rank: each once; several: padded with the epoch's first ones)."""
     reference = _shards.interleave(rank_batches(shard_dir, 1, 12, num_workers=0))
+    assert len(reference) == N
     loader_kw = dict(loader_kw)
     loader = loader_kw.pop("loader", DataLoader)
     ds_kw = {"batch_size": batch_size} if loader is TorchLoader else None
-    assert _shards.interleave(rank_batches(shard_dir, world, batch_size, loader=loader, ds_kw=ds_kw,
-                                           **loader_kw)) == reference  # fmt: skip
+    got = _shards.interleave(rank_batches(shard_dir, world, batch_size, loader=loader, ds_kw=ds_kw, **loader_kw))
+    assert got[:N] == reference and got[N:] == reference[:len(got) - N]
 
 
 def test_set_epoch_gives_each_epoch_its_own_order_and_the_same_one_again(shard_dir):
@@ -166,7 +210,7 @@ class Counting:
 
 
 def test_resuming_reads_nothing_before_the_resume_point(shard_dir):
-    """Resumed at batch 10 of 17, the dataset reads only the samples of batches 10 on."""
+    """Resumed at batch 10 of 17, the dataset reads only the samples of batches 10 on (the last one short)."""
     ds = shards(shard_dir)
     dl = DataLoader(ds, batch_size=4)
     for i, _ in enumerate(dl):
@@ -178,7 +222,28 @@ def test_resuming_reads_nothing_before_the_resume_point(shard_dir):
     dl2 = DataLoader(ds2, batch_size=4)
     dl2.load_state_dict(state)
     rest = list(dl2)
-    assert len(rest) == 7 and counting.calls == 7 * 4
+    assert len(rest) == 7 and counting.calls == N - 10 * 4
+
+
+def test_in_order_false_refuses_a_mid_epoch_state_as_map_style_datasets_do(shard_dir):
+    """With in_order=False the batches received are not the epoch's first ones, so a Shards position saved
+    mid-epoch would repeat some samples and lose others: state_dict() raises, naming in_order=True, after a
+    break too; between epochs it is the next epoch's start, exact, and accepted."""
+    ds = shards(shard_dir)
+    dl = DataLoader(ds, batch_size=4, num_workers=2, in_order=False)
+    it = iter(dl)
+    next(it)
+    with pytest.raises(ValueError, match=r"needs in_order=True.*the batches received are not the epoch's first"):
+        dl.state_dict()
+    del it
+    for i, _ in enumerate(dl):
+        if i == 3:
+            break
+    with pytest.raises(ValueError, match="in_order=True"):
+        dl.state_dict()
+    assert len(_shards.flat(dl)) == N
+    state = dl.state_dict()
+    assert state["mid_epoch"] is False
 
 
 def test_another_global_batch_raises_naming_the_world_sizes_that_keep_it(shard_dir):
@@ -274,6 +339,22 @@ def test_batch_size_and_rank_must_make_sense(shard_dir):
         Shards(shard_dir, decode="jpg")
 
 
+def test_a_shard_missing_from_the_index_beside_is_named_in_the_warning(tmp_path):
+    """A list naming a shard that the index beside the shards does not list warns that the index lacks it (not
+    that there is no index), then indexes them all and reads every sample."""
+    import shutil
+
+    paths = _shards.make(tmp_path / "set", (2, 3))
+    extra = _shards.make(tmp_path / "more", (4,), index=False)[0]
+    shutil.copy(extra, tmp_path / "set" / "shard-000002.tar")
+    listed = paths + [str(tmp_path / "set" / "shard-000002.tar")]
+    with pytest.warns(UserWarning, match=r"fastfeed-index.json does not list 1 of the 3 shards \(e.g. .*shard-000002"
+                                         r".tar\).*reading all 3") as caught:  # fmt: skip
+        ds = Shards(listed, decode=_shards.number, batch_size=3)
+    assert not any("no fastfeed-index.json" in str(w.message) for w in caught)
+    assert len(_shards.flat(DataLoader(ds, batch_size=3))) == 9
+
+
 def test_the_default_cache_directory_must_be_this_users_own(monkeypatch, tmp_path):
     """The default cache directory under the temp directory is made 0700, and one that is not private (another
     owner, a link, open to others) is refused, naming it."""
@@ -282,8 +363,9 @@ def test_the_default_cache_directory_must_be_this_users_own(monkeypatch, tmp_pat
     from fastfeed.io.shards import dataset
 
     monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
-    path = dataset._default_cache_dir()
-    assert os.stat(path).st_mode & 0o777 == 0o700
+    path, made = dataset._default_cache_dir()
+    assert made == path and os.stat(path).st_mode & 0o777 == 0o700
+    assert dataset._default_cache_dir() == (path, None)  # there already: not this call's
     os.chmod(path, 0o755)
     with pytest.raises(PermissionError, match="not a private directory"):
         dataset._default_cache_dir()
@@ -323,11 +405,24 @@ def test_torchrun_three_ranks_over_unequal_shards_get_equal_batches_and_finish(s
     assert {r["len"] for r in reports} == {len(reports[0]["epochs"][0])}
 
 
+def test_torchrun_one_rank_yields_each_sample_once_and_three_ranks_stay_equal(shard_dir, tmp_path):
+    """Under torchrun with gloo: one rank yields every sample once (a short last batch), while three ranks over
+    the same shards get the same number of full batches, padded."""
+    one = torchrun(1, shard_dir, tmp_path / "r1", "--workers", "2")
+    assert sorted(global_sequence(one)) == list(range(N)) and one[0]["samples"] == N
+    assert [len(b) for b in one[0]["epochs"][0]] == [8] * (N // 8) + [N % 8]
+    three = torchrun(3, shard_dir, tmp_path / "r3", "--workers", "0")
+    lengths = [[len(b) for b in r["epochs"][0]] for r in three]
+    assert lengths == [[2] * 11] * 3  # 3 ranks of 2: 11 global batches of 6 for 65 samples, the last padded
+    assert sorted(set(global_sequence(three))) == list(range(N))
+
+
 @pytest.mark.parametrize("before,after", [(4, 2), (2, 4)])
 def test_torchrun_elastic_resume_yields_the_uninterrupted_global_batches(shard_dir, tmp_path, before, after):
     """Checkpointed after 3 global batches on `before` ranks, resumed on `after`: together exactly the global
     batches of an uninterrupted run, and the next epoch as well."""
-    reference = [_shards.interleave(rank_batches(shard_dir, 1, 8, epoch=e, ds_kw={"seed": 11})) for e in (0, 1)]
+    reference = [_shards.interleave(rank_batches(shard_dir, 1, 8, epoch=e, ds_kw={"seed": 11, "even_batches": True}))
+                 for e in (0, 1)]  # padded as several ranks are
     first = torchrun(before, shard_dir, tmp_path / "a", "--stop-after", "3")
     second = torchrun(after, shard_dir, tmp_path / "b", "--resume", f"{tmp_path / 'a'}.state.json", "--epochs", "2")
     assert global_sequence(first) + global_sequence(second) == reference[0]

@@ -466,3 +466,44 @@ def test_shards_in_s3_are_cached_through_s3fs(s3_server, caches, tmp_path):  # n
     assert caught.value.shard == missing and time.monotonic() - t0 < 5
     stats = cache.stats()
     assert stats["downloads"] == 1 and stats["used_bytes"] == len(data[0])
+
+
+def test_a_read_waiting_for_room_says_so_within_seconds_and_goes_on_once_room_is_freed(shards, caches, tmp_path):
+    """Every entry in use: the next read logs, within WAIT_NOTICE_S, what it waits for (its shard, cache_bytes,
+    the bytes held); once the entries are no longer in use it takes the room and returns the shard."""
+    import logging
+
+    from fastfeed.io.shards import cache as cache_module
+
+    assert cache_module.WAIT_NOTICE_S <= 5
+    site = shards(n=3)
+    limit = len(site.data[0]) + len(site.data[1])
+    cache = caches(tmp_path / "cache", limit, wait_s=60)
+    held = threading.Event()
+    held.set()
+    next_use = lambda k: -1.0 if held.is_set() or k == 2 else math.inf  # noqa: E731
+    cache.local(*site.item(0), next_use)
+    cache.local(*site.item(1), next_use)
+    noticed, records = threading.Event(), []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+            noticed.set()
+
+    handler = Catch(logging.WARNING)
+    logging.getLogger("fastfeed").addHandler(handler)
+    out = []
+    try:
+        reader = threading.Thread(target=lambda: out.append(cache.local(*site.item(2), next_use)))
+        t0 = time.monotonic()
+        reader.start()
+        assert noticed.wait(cache_module.WAIT_NOTICE_S + 5)
+        assert time.monotonic() - t0 < cache_module.WAIT_NOTICE_S + 5 and not out
+        assert site.item(2)[1] in records[0] and f"cache_bytes={limit}" in records[0] and f"{limit} bytes are held" \
+            in records[0]  # fmt: skip
+        held.clear()
+        reader.join(30)
+    finally:
+        logging.getLogger("fastfeed").removeHandler(handler)
+    assert out and Path(out[0]).read_bytes() == site.data[2]

@@ -129,3 +129,47 @@ def test_shards_written_to_s3_are_read_back_through_s3fs(s3_server, tmp_path):  
                 storage_options=s3_server.storage_options)  # fmt: skip
     assert _shards.flat(DataLoader(ds, batch_size=5, num_workers=2)) == list(range(40))
     assert ds.cache_stats()["downloads"] == len(urls)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_smallest_cache_the_constructor_accepts_finishes_epochs(tmp_path, num_workers):
+    """shuffle_window=1 and cache_bytes exactly what Shards accepts (two of the largest shards): both epochs end,
+    each sample once, within the bound. Shards of fewer samples than the batches in flight used to make readers
+    protect more shards than the constructor asked room for, and wait for room that never came."""
+    _shards.make(tmp_path / "data", (20,) * 6, payload=20_000)
+    largest = max(os.path.getsize(tmp_path / "data" / f"shard-{k:06d}.tar") for k in range(6))
+    with FileServer(tmp_path / "data") as server:
+        url = f"{server.url}/shard-{{000000..000005}}.tar"
+        with pytest.raises(ValueError, match=rf"cache_bytes={2 * largest - 1} cannot hold.*at least {2 * largest}"):
+            Shards(url, shuffle_window=1, cache_dir=tmp_path / "cache", cache_bytes=2 * largest - 1)
+        ds = Shards(url, decode=_shards.as_tensor, shuffle=True, shuffle_window=1, cache_dir=tmp_path / "cache",
+                    cache_bytes=2 * largest)  # fmt: skip
+        ds.cache.wait_s = 10  # a read that cannot find room fails in seconds, not the default minute
+        dl = DataLoader(ds, batch_size=16, num_workers=num_workers)
+        for epoch in (0, 1):
+            ds.set_epoch(epoch)
+            assert sorted(_shards.flat(dl)) == list(range(120))
+        assert ds.cache_stats()["peak_bytes"] <= 2 * largest
+
+
+def test_a_constructor_that_fails_leaves_no_default_cache_directory(shard_dir, server, tmp_path, monkeypatch):
+    """Shards over URLs without cache_dir makes its default directory under the temp directory; when the
+    constructor then fails (a bad cache_policy), that directory is gone again."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    os.mkdir(tmp_path / "tmp")
+    with pytest.raises(ValueError, match="policy must be one of"):
+        Shards(pattern(server), cache_policy="mru")
+    assert os.listdir(tmp_path / "tmp") == []
+    Shards(pattern(server))  # a constructor that succeeds keeps it, for its cache
+    assert os.listdir(tmp_path / "tmp") == [f"fastfeed-shards-{os.getuid()}"]
+
+
+def test_an_index_beside_the_shards_that_is_denied_is_taken_as_absent(shard_dir, server, tmp_path):
+    """S3 answers 403 for a missing key when listing is not allowed: a denied index beside the shards warns that
+    it was denied, then the shards are indexed by reading them, and the epoch is whole."""
+    server.faults["fastfeed-index.json"] = {"status": 403}
+    with pytest.warns(UserWarning, match=r"reading .*fastfeed-index.json was denied \(HTTP 403.*reading all 10"):
+        ds = Shards(pattern(server), decode=_shards.as_tensor, cache_dir=tmp_path / "cache")
+    assert sorted(epoch_of(ds, batch_size=5)) == list(range(N))

@@ -17,17 +17,16 @@ import glob as globbing
 import os
 import queue
 import threading
-import time
 from concurrent.futures import Future
 from typing import Callable, Sequence
 
 from torch.utils.data import Dataset
 
 from . import mounts
+from . import remote
 from .cache import Cache
 from .remote import Remote, is_url
 
-BACKOFF_S = 0.05  # the first retry's wait; it doubles with each further attempt
 _FINAL = (FileNotFoundError, PermissionError, IsADirectoryError)  # retrying will not make these readable
 
 
@@ -45,7 +44,10 @@ class Files(Dataset):
         revalidate_s: a cached remote file is served without asking its store for this long after it was fetched
             or last checked; then its version (size, ETag or modification time) is checked again, and a changed
             file is fetched anew. Local files are checked (a ``stat``) on every read.
-        retries: further attempts after a failed read, with exponential backoff from 50 ms.
+        retries: further attempts after a read or a listing that failed transiently (a 5xx such as S3's 503
+            SlowDown, a reset or refused connection, a timeout), with backoff from 0.1 s, doubling up to 2 s
+            (``fastfeed.io.remote.retry``, as for ``Shards``). A missing file (404) or a denied one (403) fails
+            at once.
         timeout: seconds a remote request may take before it counts as failed.
     """
 
@@ -83,7 +85,11 @@ class Files(Dataset):
         if self._sources is None:
             directory, pattern = self._pattern
             if is_url(directory):
-                self._sources = self.remote.glob(directory, pattern)
+                try:
+                    self._sources = self.remote.glob(directory, pattern, self.retries)
+                except remote.RemoteError as e:
+                    raise remote.RemoteError(f"fastfeed.io.Files: listing {pattern!r} in {directory} {e}",
+                                             attempts=e.attempts, reason=e.reason, permanent=e.permanent) from e
             else:
                 found = globbing.glob(os.path.join(directory, pattern), recursive=True)
                 self._sources = sorted(p for p in found if os.path.isfile(p))
@@ -129,37 +135,24 @@ class Files(Dataset):
     def _load(self, index: int) -> bytes:
         """The bytes of sample ``index``, retried with backoff; errors name the source and the index."""
         source = self.source(index)
-        last = None
-        for attempt in range(self.retries + 1):
-            try:
-                return self._read(source)
-            except _FINAL as e:
-                raise _unreadable(e, index, source) from e
-            except Exception as e:  # noqa: BLE001 (any transient failure of a store is retried)
-                last = e
-                if attempt < self.retries:
-                    time.sleep(BACKOFF_S * 2**attempt)
-        raise self._gave_up(index, source, last) from last
+        try:
+            # No timeout given: Files' is a total one, and "no data for N s" would misname it.
+            return remote.retry(lambda: self._read(source), self.retries, what=source)
+        except _FINAL as e:
+            raise _unreadable(e, index, source) from e
+        except remote.RemoteError as e:
+            raise _gave_up(e, index, source) from e
 
     async def _load_async(self, local: _Local, index: int, fs, source: str) -> bytes:
         """``_load`` on an async filesystem's event loop, ``readahead`` at a time per process (the same retries
         and errors; only the waits are awaited)."""
         async with local.limit():
-            last = None
-            for attempt in range(self.retries + 1):
-                try:
-                    return await self._read_async(fs, source)
-                except _FINAL as e:
-                    raise _unreadable(e, index, source) from e
-                except Exception as e:  # noqa: BLE001 (any transient failure of a store is retried)
-                    last = e
-                    if attempt < self.retries:
-                        await asyncio.sleep(BACKOFF_S * 2**attempt)
-        raise self._gave_up(index, source, last) from last
-
-    def _gave_up(self, index: int, source: str, last: BaseException | None) -> OSError:
-        return OSError(f"fastfeed.io.Files: sample {index}: reading {source} failed {self.retries + 1} time(s); "
-                       f"last error: {last!r}")  # fmt: skip
+            try:
+                return await remote.retry_async(lambda: self._read_async(fs, source), self.retries, what=source)
+            except _FINAL as e:
+                raise _unreadable(e, index, source) from e
+            except remote.RemoteError as e:
+                raise _gave_up(e, index, source) from e
 
     def _cached(self, source: str, version, remote: bool) -> bytes | None:
         """The cache's copy of ``source`` at ``version`` (a remote entry's check is recorded), or None."""
@@ -221,6 +214,11 @@ class Files(Dataset):
 
 def _unreadable(error: OSError, index: int, source: str) -> OSError:
     return type(error)(f"fastfeed.io.Files: sample {index}: cannot read {source}: {error}")
+
+
+def _gave_up(error: remote.RemoteError, index: int, source: str) -> remote.RemoteError:
+    return remote.RemoteError(f"fastfeed.io.Files: sample {index}: reading {source} {error}", attempts=error.attempts,
+                              reason=error.reason, permanent=error.permanent)  # fmt: skip
 
 
 def _advise(path: str) -> None:

@@ -31,6 +31,7 @@ import contextlib
 import fcntl
 import itertools
 import json
+import logging
 import math
 import os
 import threading
@@ -40,18 +41,18 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ..._atomic import write_atomic
-from ..remote import _transient
+from .. import remote
 from .errors import ShardError
 from .fetch import Cancelled, Fetcher
 
 POLICIES = ("farthest", "lru")
 COUNTERS = ("downloaded_bytes", "downloads", "hits", "evictions")
-BACKOFF_S = 0.1  # before the first retry; doubles each time
-MAX_BACKOFF_S = 2.0
 POLL_S = 0.05  # waiting for room that another process may free
+WAIT_NOTICE_S = 3.0  # a read still waiting for room this long says so, long before wait_s ends it
 _STATE, _STATE_LOCK = "state.json", "state.lock"
 
 NextUse = Callable[[int], float]
+log = logging.getLogger("fastfeed")
 
 
 def dataset_dir(cache_dir, fingerprint: str) -> Path:
@@ -367,19 +368,26 @@ class ShardCache:
         return str(path), fd
 
     def _size(self, url: str) -> int:
-        for attempt in range(self.retries + 1):
-            try:
-                return self._fetcher.size(url)
-            except FileNotFoundError as e:
-                error = _transient(e, url) if "://" in url else e
-                if isinstance(error, FileNotFoundError):
-                    raise ShardError(url, "not found") from e
-            except Exception as e:  # noqa: BLE001 - any failed request is worth another attempt
-                error = e
-            if attempt < self.retries:
-                time.sleep(min(BACKOFF_S * 2**attempt, MAX_BACKOFF_S))
-        last = _describe(error, self.timeout)
-        raise ShardError(url, f"asking its size failed {self.retries + 1} time(s); last: {last}")
+        """The shard's size, asked of its store with the retries and backoff of every request
+        (``fastfeed.io.remote.retry``)."""
+        try:
+            return remote.retry(lambda: self._fetcher.size(url), self.retries, what=f"the size of shard {url}",
+                                timeout=self.timeout, wait=self._pause(url))  # fmt: skip
+        except FileNotFoundError as e:
+            raise ShardError(url, "not found") from e
+        except PermissionError as e:
+            raise ShardError(url, f"access denied ({remote.describe(e)}); check storage_options' credentials") from e
+        except remote.RemoteError as e:
+            raise ShardError(url, f"asking its size {e}") from e
+
+    def _pause(self, url: str) -> Callable[[float], None]:
+        """The wait between two attempts: cut short, ending the download, once the cache closes."""
+
+        def pause(seconds: float) -> None:
+            if self._stop.wait(seconds):
+                raise Cancelled(url)
+
+        return pause
 
     def _reserve(self, k, url, size, next_use, protect, optional) -> bool:
         """Room for ``size`` bytes, evicting as the policy says; waits up to ``wait_s`` for room that only
@@ -387,7 +395,8 @@ class ShardCache:
         if self.limit is not None and size > self.limit:
             raise ShardError(url, f"the shard is {size} bytes, more than cache_bytes={self.limit}; cache_bytes "
                                   f"must be at least the largest shard (better: several)")  # fmt: skip
-        deadline = time.monotonic() + self.wait_s
+        started = time.monotonic()
+        deadline, notice = started + self.wait_s, started + WAIT_NOTICE_S
         while True:
             with self._state() as state:
                 held = self._make_room(state, k, size, next_use, protect, optional)
@@ -398,10 +407,18 @@ class ShardCache:
                     return True
             if optional or self._stop.is_set():
                 return False
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise ShardError(url, f"cache_bytes={self.limit} is too small: this shard ({size} bytes) found no "
                                       f"room for {self.wait_s:.0f} s beside {held} bytes of shards in use or being "
                                       f"downloaded; cache_bytes must be at least {held + size}")  # fmt: skip
+            if notice is not None and now > notice:
+                notice = None
+                log.warning("fastfeed shard cache: shard %s (%d bytes) has waited %.0f s for room in %s: "
+                            "cache_bytes=%d, and %d bytes are held by shards in use or being downloaded by this "
+                            "machine's readers. It waits up to %.0f s more, then fails; a larger cache_bytes "
+                            "avoids the wait.", url, size, now - started, self.directory, self.limit, held,
+                            deadline - now)  # fmt: skip
             time.sleep(POLL_S)
 
     def _make_room(self, state, k, size, next_use, protect, optional) -> int | None:
@@ -454,51 +471,71 @@ class ShardCache:
 
     def _download(self, k: int, url: str, size: int, crc: int | None, want_fd: bool):
         """Fetch k into a temporary file, check it, rename it into place; the reservation becomes the entry
-        (or is released on failure). The caller holds k's lock and its reservation."""
-        received, errors, done = 0, [], None
-        try:
-            for attempt in range(self.retries + 1):
-                if attempt:
-                    self._stop.wait(min(BACKOFF_S * 2 ** (attempt - 1), MAX_BACKOFF_S))
-                tmp = self.directory / "tmp" / f"{k:06d}.{os.getpid()}.{next(self._names)}"
+        (or is released on failure). The caller holds k's lock and its reservation. A failed, short or corrupt
+        download is tried again as every request is (``fastfeed.io.remote.retry``)."""
+        received, done = [0], None
+
+        def attempt() -> Path:
+            tmp = self.directory / "tmp" / f"{k:06d}.{os.getpid()}.{next(self._names)}"
+            try:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            except OSError as e:  # the cache's own directory, not the store: say so, and do not retry
+                raise ShardError(url, f"cannot write a temporary copy in {tmp.parent} ({remote.describe(e)})") from e
+            try:
                 try:
-                    try:
-                        nbytes, got = self._fetcher.copy(url, fd, size, self._stop)
-                    finally:
-                        received += os.fstat(fd).st_size
-                        os.close(fd)
-                    if nbytes != size:
-                        raise _Damaged(f"{nbytes} bytes arrived, the index says {size}")
-                    if crc is not None and got != crc:
-                        raise _Damaged(f"CRC-32 {got:08x}, the index says {int(crc):08x}")
-                    reader = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC) if want_fd else None
-                    os.rename(tmp, self._entry(k))
-                    done = (str(self._entry(k)), reader)
-                    break
-                except FileNotFoundError as e:
-                    raise ShardError(url, f"not found ({_describe(e)})") from e
-                except Cancelled:
-                    raise
-                except Exception as e:  # noqa: BLE001 - a failed request, a short or corrupt body: try again
-                    errors.append(e)
+                    nbytes, got = self._fetcher.copy(url, fd, size, self._stop)
                 finally:
-                    if done is None:
-                        with contextlib.suppress(FileNotFoundError):
-                            os.unlink(tmp)
-            else:
-                last = _describe(errors[-1], self.timeout)
-                raise ShardError(url, f"download failed {self.retries + 1} time(s); last: {last}") from errors[-1]
+                    received[0] += os.fstat(fd).st_size
+                    os.close(fd)
+                if nbytes != size:
+                    raise _Damaged(f"{nbytes} bytes arrived, the index says {size}")
+                if crc is not None and got != crc:
+                    raise _Damaged(f"CRC-32 {got:08x}, the index says {int(crc):08x}")
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                raise
+            return tmp
+
+        try:
+            try:
+                tmp = remote.retry(attempt, self.retries, what=f"shard {url}", final=(Cancelled, ShardError),
+                                   timeout=self.timeout, wait=self._pause(url))  # fmt: skip
+            except FileNotFoundError as e:
+                raise ShardError(url, f"not found ({remote.describe(e)})") from e
+            except PermissionError as e:
+                raise ShardError(url, f"access denied ({remote.describe(e)}); check storage_options' "
+                                      "credentials") from e  # fmt: skip
+            except remote.RemoteError as e:
+                raise ShardError(url, f"download {e}") from e
+            done = self._place(k, url, tmp, want_fd)
         finally:
             with self._state() as state:
                 state["reserved"].pop(str(k), None)
                 stats = state["stats"]
-                stats["downloaded_bytes"] += received
+                stats["downloaded_bytes"] += received[0]
                 if done is not None:
                     state["tick"] += 1
                     state["entries"][str(k)] = [size, state["tick"]]
                     stats["downloads"] += 1
         return done
+
+    def _place(self, k: int, url: str, tmp: Path, want_fd: bool) -> tuple[str, int | None]:
+        """Rename a checked download into ``entries/``: (its path, a descriptor of it when ``want_fd``). A local
+        failure here is the cache directory's (removed or made read-only meanwhile), never the store's."""
+        entry, reader = self._entry(k), None
+        try:
+            if want_fd:
+                reader = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
+            os.rename(tmp, entry)
+        except OSError as e:
+            if reader is not None:
+                os.close(reader)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise ShardError(url, f"the downloaded copy could not be moved into {entry.parent} ({remote.describe(e)}): "
+                                  "was the cache directory removed or made read-only?") from e  # fmt: skip
+        return str(entry), reader
 
     def _predownloader(self) -> None:
         while True:
@@ -527,11 +564,3 @@ def _unknown(k: int) -> float:
 
 def _used(state: dict) -> int:
     return sum(size for size, _ in state["entries"].values()) + sum(state["reserved"].values())
-
-
-def _describe(error: BaseException, timeout: float | None = None) -> str:
-    name = type(error).__name__
-    if isinstance(error, TimeoutError) and timeout is not None:
-        return f"no data for {timeout:g} s (read timeout, {name})"
-    text = str(error)
-    return f"{name}: {text}" if text else name

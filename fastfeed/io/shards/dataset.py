@@ -13,6 +13,7 @@ place. A sample is read from its shard by the byte range the index gives and par
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import sys
@@ -47,24 +48,35 @@ class Shards(IterableDataset):
         batch_size: samples per batch on each rank. ``fastfeed.DataLoader`` sets it from its own; with torch's
             ``DataLoader`` pass the loader's (a mismatch raises on the first batch).
         cache_dir: where remote shards are kept (default: a directory of this user's under the temp directory).
-        cache_bytes: the cache's bound, all processes of this machine together (None: unbounded).
+        cache_bytes: the cache's bound, all processes of this machine together (None: unbounded). It must hold
+            ``max(2 x shuffle_window, shuffle_window + predownload)`` of the largest shards: the window read, the
+            window before it (workers behind may still read it) and the shards downloaded ahead.
         predownload: shards downloaded ahead of need (default: one window, ``shuffle_window``).
         shuffle_window: shards whose samples are shuffled together (default 8); they must fit the cache at once.
-        drop_last: drop the epoch's last samples that do not fill a global batch on every rank; False repeats the
-            epoch's first samples to fill it, as DistributedSampler does (``DataLoader(drop_last=True)`` sets it).
+        drop_last: drop the epoch's last samples that do not fill a global batch on every rank
+            (``DataLoader(drop_last=True)`` sets it).
+        even_batches: what happens to the last global batch when it is not full and ``drop_last`` is False. True:
+            it is filled with the epoch's first samples, as DistributedSampler pads, so every rank has the same
+            number of full batches. False: each sample comes once; the rank holding the epoch's end gets a short
+            last batch and ranks after it one batch fewer. None (default): True when several ranks run (a DDP
+            loop must not wait at a collective for a rank with fewer batches), False on one (a short last batch,
+            as torch's loader gives).
         index: a ``ShardIndex`` or the path/URL of a saved one; None: ``fastfeed-index.json`` beside the shards,
             else built by reading every shard once (``fastfeed.io.index_shards`` saves one to skip that).
         storage_options: passed to fsspec (s3fs's ``key``, ``secret``, ``client_kwargs={"endpoint_url": ...}``).
         rank, world_size: this process's place; None: torch.distributed's, else torchrun's RANK and WORLD_SIZE.
-        retries: attempts for a failed or short download before ``ShardError``.
-        timeout: seconds a download may receive nothing before the attempt fails.
+        retries: further attempts after a request fails transiently: the listing, the index, the scan, size
+            look-ups and downloads (a 5xx such as S3's 503 SlowDown, 408, 429, a reset or refused connection, a
+            timeout), waiting 0.1 s, doubling up to 2 s; a missing shard (404) or denied access (403) fails at once.
+        timeout: seconds a request may send nothing before the attempt fails.
         cache_policy: ``"farthest"`` evicts the shard needed farthest ahead; ``"lru"`` the least recently used
             (for comparison: with data larger than the cache it downloads everything every epoch).
     """
 
     def __init__(self, source, *, decode=None, shuffle: bool = False, seed: int = 0, batch_size: int | None = None,
                  cache_dir=None, cache_bytes: int | None = None, predownload: int | None = None,
-                 shuffle_window: int = DEFAULT_WINDOW, drop_last: bool = False, index=None,
+                 shuffle_window: int = DEFAULT_WINDOW, drop_last: bool = False,
+                 even_batches: bool | None = None, index=None,
                  storage_options: dict | None = None, rank: int | None = None, world_size: int | None = None,
                  retries: int = 3, timeout: float = 60.0, cache_policy: str = "farthest") -> None:  # fmt: skip
         from .index import ShardIndex
@@ -77,6 +89,9 @@ class Shards(IterableDataset):
             raise ValueError("fastfeed.io.Shards: batch_size must be at least 1")
         if not isinstance(shuffle_window, int) or shuffle_window < 1:
             raise ValueError(f"fastfeed.io.Shards: shuffle_window must be an int >= 1 (shards), got {shuffle_window!r}")
+        if even_batches is not None and not isinstance(even_batches, bool):
+            raise TypeError(f"fastfeed.io.Shards: even_batches must be True, False or None (pad only with several "
+                            f"ranks), got {even_batches!r}")  # fmt: skip
         if decode is not None and not callable(decode):
             raise TypeError(f"fastfeed.io.Shards: decode must be callable (a sample dict -> what to collate) or None, "
                             f"got {type(decode).__name__}")  # fmt: skip
@@ -85,6 +100,7 @@ class Shards(IterableDataset):
         self.seed = int(seed)
         self.batch_size = batch_size
         self.drop_last = bool(drop_last)
+        self.even_batches = even_batches
         self.shuffle_window = shuffle_window
         self.predownload = shuffle_window if predownload is None else predownload
         self.storage_options = dict(storage_options or {})
@@ -95,24 +111,25 @@ class Shards(IterableDataset):
         if isinstance(index, ShardIndex):
             self.index = index
         else:
-            urls = resolve(source, storage_options=self.storage_options)
-            self.index = _load_index(urls, index, self.storage_options)
+            urls = resolve(source, storage_options=self.storage_options, retries=retries, timeout=timeout)
+            self.index = _load_index(urls, index, self.storage_options, retries, timeout)
         self.cache = None
         if any(remote.is_url(u) for u in self.index.urls):
             from .cache import ShardCache
 
-            need = (self.shuffle_window + self.predownload) * int(max(self.index.sizes, default=0))
-            if cache_bytes is not None and cache_bytes < need:
-                raise ValueError(
-                    f"fastfeed.io.Shards: cache_bytes={cache_bytes} cannot hold the shards read at once: "
-                    f"shuffle_window + predownload = {self.shuffle_window + self.predownload} shards of up to "
-                    f"{int(max(self.index.sizes))} bytes need {need}. Raise cache_bytes, or lower shuffle_window "
-                    f"or predownload."
-                )
-            directory = cache_dir if cache_dir is not None else _default_cache_dir()
-            self.cache = ShardCache.for_dataset(directory, self.index.fingerprint, cache_bytes,
-                                                storage_options=self.storage_options, retries=retries,
-                                                timeout=timeout, policy=cache_policy)  # fmt: skip
+            _check_cache_bytes(cache_bytes, self.shuffle_window, self.predownload, self.index.sizes)
+            made = None
+            if cache_dir is None:
+                cache_dir, made = _default_cache_dir()
+            try:
+                self.cache = ShardCache.for_dataset(cache_dir, self.index.fingerprint, cache_bytes,
+                                                    storage_options=self.storage_options, retries=retries,
+                                                    timeout=timeout, policy=cache_policy)  # fmt: skip
+            except BaseException:
+                if made is not None:  # a constructor that failed leaves nothing behind
+                    with contextlib.suppress(OSError):
+                        os.rmdir(made)
+                raise
         # Loader set-up and resume (see _ff_loader_setup, load_state_dict).
         self._loader_batch = None  # the batch size fastfeed.DataLoader told
         self._loader_drop_last = False
@@ -130,9 +147,9 @@ class Shards(IterableDataset):
         self.epoch = int(epoch)
 
     def __len__(self) -> int:
-        """Samples on this rank this epoch: ``batches x batch_size``, the same on every rank."""
-        split = self._split(self._batch_size(required=True))
-        return split.batches * split.batch_size
+        """Samples on this rank this epoch: ``batches x batch_size``, the same on every rank when batches are
+        even (see ``even_batches``); else each sample once, the last batch short."""
+        return self._split(self._batch_size(required=True)).samples
 
     def cache_stats(self) -> dict:
         """The cache's counters, all processes of this machine together (``downloaded_bytes``, ``downloads``,
@@ -239,9 +256,9 @@ class Shards(IterableDataset):
         try:
             for batch in range(first, split.batches, nw):
                 positions = split.positions(batch)
-                reader.at(positions[0])
-                for t in range(within, split.batch_size):
+                for t in range(within, len(positions)):
                     p = positions[t]
+                    reader.at(p)  # per sample: a batch can cross into the next window, and protection follows p
                     sample = reader.sample(int(epoch.samples[p % n]))
                     progress[w] = (batch, t + 1)
                     yield sample
@@ -272,7 +289,8 @@ class Shards(IterableDataset):
     def _split(self, batch_size: int) -> order.Split:
         rank, world = topology.ranks(self._rank, self._world, self._frozen)
         drop_last = self.drop_last or self._loader_drop_last
-        return order.Split.of(self.index.n_samples, batch_size, rank, world, drop_last)
+        pad = world > 1 if self.even_batches is None else self.even_batches
+        return order.Split.of(self.index.n_samples, batch_size, rank, world, drop_last, pad)
 
     def _order(self, epoch: int) -> order.Epoch:
         found = self._epochs.get(epoch)
@@ -329,21 +347,26 @@ class _Reader:
         self.keep = 2 * ds.shuffle_window + 2
         self.position = 0
         self.window = -1
+        self.span = (0, 0)  # positions [a, b) of that window: the common case of at() is one comparison
         self.next_epoch = None
         # The loader's workers make batches w, w+n, ...; it keeps at most num_workers x prefetch_factor tasks in
         # flight (torch's default factor 2 where fastfeed's loader did not say), so another worker is at most that
-        # many batches behind this one, still reading the window this one just left. More protection would only
-        # shrink the room eviction chooses from.
-        self.margin = split.global_batch * topology.worker()[1] * (ds._loader_prefetch or 2)
+        # many batches behind this one, still reading the window this one just left. A lone reader has nobody
+        # behind it. More protection would only shrink the room eviction chooses from.
+        workers = topology.worker()[1]
+        self.margin = split.global_batch * workers * (ds._loader_prefetch or 2) if workers > 1 else 0
 
     def at(self, position: int) -> None:
-        """The iteration reaches ``position``: start downloading what the window after this one needs."""
+        """The iteration reaches ``position``: on entering a window, start downloading what the next one needs."""
         self.position = position
         cache = self.ds.cache
-        if cache is None:
+        if cache is None or self.span[0] <= position < self.span[1]:
             return
         n = self.index.n_samples
         window = self.epoch.window_of(position % n) if n else 0
+        if position < n:  # past the end (padding) the epoch's first positions come again: keep asking
+            self.span = (int(self.epoch.window_start[window]), int(self.epoch.window_start[window + 1])) if n else \
+                (0, 0)  # fmt: skip
         if window == self.window:
             return
         self.window = window
@@ -362,15 +385,23 @@ class _Reader:
         return (int(k), self.index.urls[k], int(self.index.sizes[k]), int(self.index.crcs[k]))
 
     def next_use(self, k: int) -> float:
-        """When shard k is next needed, in positions from this epoch's start: -1 while it is read (or was, up to
-        the batches in flight ago: another worker may be that far behind); the next epoch's use (assumed ``epoch + 1``) once
-        done. Shards about to be read have the smallest values, so farthest-next-use eviction keeps them."""
+        """When shard k is next needed, in positions from this epoch's start: -1 while it is read, or while it
+        is in the window just left and another worker may still read it (up to the batches in flight ago); the
+        next epoch's use (assumed ``epoch + 1``) once done. Shards about to be read have the smallest values, so
+        farthest-next-use eviction keeps them.
+
+        At most two windows are ever protected (the one read and the one before it), whatever the margin spans:
+        that is the room ``Shards`` demands of ``cache_bytes``, so a read never waits for room that cannot come.
+        A worker further behind than one window reads a shard it opened already (an open descriptor outlives an
+        eviction), or downloads it again."""
         first, end = self.epoch.span(k)
         p = self.position % max(self.index.n_samples, 1)
-        if first <= p < end + self.margin:
+        if first <= p < end:
             return -1.0
         if first > p:
             return float(first)
+        if p < end + self.margin and end == self.epoch.window_start[self.epoch.window_of(p)]:
+            return -1.0
         if self.next_epoch is None:
             self.next_epoch = self.ds._order(self.ds.epoch + 1)
         return float(self.split.positions_per_epoch + self.next_epoch.span(k)[0])
@@ -435,23 +466,57 @@ def _first_batch(start, w: int, nw: int) -> int:
     return batch + w
 
 
-def _load_index(urls: list[str], index, storage_options: dict):
+def _cache_shards_needed(shuffle_window: int, predownload: int) -> int:
+    """Shards the cache must hold at once: the window being read and the one before it, which a worker up to
+    the batches in flight behind may still read (``_Reader.next_use`` protects no more); and the window read
+    plus the ``predownload`` shards fetched ahead of it, so that read-ahead finds room."""
+    return max(2 * shuffle_window, shuffle_window + predownload)
+
+
+def _check_cache_bytes(cache_bytes: int | None, window: int, predownload: int, sizes) -> None:
+    shards = _cache_shards_needed(window, predownload)
+    largest = int(max(sizes, default=0))
+    if cache_bytes is not None and cache_bytes < shards * largest:
+        raise ValueError(
+            f"fastfeed.io.Shards: cache_bytes={cache_bytes} cannot hold the shards read at once: "
+            f"{shards} shards (max(2 x shuffle_window, shuffle_window + predownload) with shuffle_window="
+            f"{window}, predownload={predownload}) of up to {largest} bytes need {shards * largest}. Raise "
+            f"cache_bytes to at least {shards * largest}, or lower shuffle_window or predownload."
+        )
+
+
+def _load_index(urls: list[str], index, storage_options: dict, retries: int = 3, timeout: float = 60.0):
     from .index import ShardIndex, index_shards
 
     if index is not None:
         return ShardIndex.load(os.fspath(index) if not isinstance(index, str) else index,
-                               storage_options=storage_options)  # fmt: skip
+                               storage_options=storage_options, retries=retries, timeout=timeout)  # fmt: skip
     beside = _beside(urls)
     if beside is not None:
+        denied = False
         try:
-            found = ShardIndex.load(beside, storage_options=storage_options)
+            found = ShardIndex.load(beside, storage_options=storage_options, retries=retries, timeout=timeout)
         except FileNotFoundError:
             found = None
-        if found is not None and set(found.urls) >= set(urls):
-            return found.subset(urls) if list(found.urls) != list(urls) else found
-    warnings.warn(f"fastfeed.io.Shards: no {INDEX_NAME} beside the shards: reading all {len(urls)} to index them. "
-                  "fastfeed.io.index_shards(source, dest=True) saves one there.", stacklevel=3)  # fmt: skip
-    return index_shards(urls, storage_options=storage_options)
+        except PermissionError:  # S3 answers 403, not 404, for a missing key when listing is not allowed
+            found, denied = None, True
+        if found is not None:
+            listed = set(found.urls)
+            missing = [u for u in urls if u not in listed]
+            if not missing:
+                return found.subset(urls) if list(found.urls) != list(urls) else found
+            why = (f"{beside} does not list {len(missing)} of the {len(urls)} shards (e.g. {missing[0]}): it is "
+                   f"older than the shard set, or the source names shards that are not in it")  # fmt: skip
+        elif denied:
+            why = (f"reading {beside} was denied (HTTP 403: S3 answers so for a missing key when listing is not "
+                   f"allowed)")  # fmt: skip
+        else:
+            why = f"no {INDEX_NAME} beside the shards"
+    else:
+        why = f"the shards are in several directories, so no one {INDEX_NAME} is beside them"
+    warnings.warn(f"fastfeed.io.Shards: {why}; reading all {len(urls)} to index them. fastfeed.io.index_shards("
+                  "source, dest=True) saves an index beside them.", stacklevel=3)  # fmt: skip
+    return index_shards(urls, storage_options=storage_options, retries=retries, timeout=timeout)
 
 
 def _beside(urls: list[str]) -> str | None:
@@ -460,19 +525,20 @@ def _beside(urls: list[str]) -> str | None:
     return f"{parents.pop()}/{INDEX_NAME}" if len(parents) == 1 else None
 
 
-def _default_cache_dir() -> str:
+def _default_cache_dir() -> tuple[str, str | None]:
     """This user's directory in the shared temp directory: made 0700, and refused if someone else made it (or
-    made it a link), since its entries are read back as shards."""
+    made it a link), since its entries are read back as shards. Returns it, and it again if this call made it."""
     path = os.path.join(tempfile.gettempdir(), f"fastfeed-shards-{os.getuid()}")
+    made = path
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
-        pass
+        made = None
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise PermissionError(f"fastfeed.io.Shards: {path} is not a private directory of this user (owner uid "
                               f"{st.st_uid}, mode {stat.filemode(st.st_mode)}); pass cache_dir= to use another")
-    return path
+    return path, made
 
 
 def _loader_batch_size(frame) -> int | None:

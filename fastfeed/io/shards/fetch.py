@@ -14,7 +14,7 @@ import os
 import threading
 import zlib
 
-from ..remote import HINT, is_url, protocol
+from ..remote import HINT, client_options, is_url, protocol
 
 CHUNK = 1 << 20  # bytes per read: large enough that a chunk's cost is the network's, not Python's
 
@@ -52,24 +52,9 @@ class Fetcher:
                     import fsspec
                 except ImportError:
                     raise ImportError(f"fastfeed.io.Shards: reading {url} needs fsspec: {HINT}") from None
-                fs = self._fs[proto] = fsspec.filesystem(proto, skip_instance_cache=True, **self._options(proto))
+                options = client_options(proto, self.storage_options, self.timeout)
+                fs = self._fs[proto] = fsspec.filesystem(proto, skip_instance_cache=True, **options)
         return fs
-
-    def _options(self, proto: str) -> dict:
-        options = dict(self.storage_options)
-        if proto in ("http", "https"):
-            import aiohttp
-
-            client = dict(options.get("client_kwargs") or {})
-            client.setdefault("timeout", aiohttp.ClientTimeout(total=None, sock_connect=self.timeout,
-                                                               sock_read=self.timeout))  # fmt: skip
-            options["client_kwargs"] = client
-        elif proto in ("s3", "s3a"):
-            config = dict(options.get("config_kwargs") or {})
-            config.setdefault("connect_timeout", self.timeout)
-            config.setdefault("read_timeout", self.timeout)
-            options["config_kwargs"] = config
-        return options
 
     def size(self, url: str) -> int:
         """The shard's size in bytes, asked of its store (FileNotFoundError when it is missing)."""

@@ -39,6 +39,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .. import remote
 from . import sources
 from .errors import ShardError
 from .tar import CHUNK, Scan
@@ -236,19 +237,38 @@ class ShardIndex:
         return dest
 
     @classmethod
-    def load(cls, src: str, storage_options: dict | None = None) -> ShardIndex:
-        """Read an index file (a path or fsspec URL, or a directory holding ``fastfeed-index.json``)."""
+    def load(cls, src: str, storage_options: dict | None = None, *, retries: int = 3,
+             timeout: float = 60.0) -> ShardIndex:  # fmt: skip
+        """Read an index file (a path or fsspec URL, or a directory holding ``fastfeed-index.json``).
+
+        A remote read that fails transiently (a 503, a reset, a refused connection, a timeout: no byte for
+        ``timeout`` s) is tried ``retries`` more times with backoff (``fastfeed.io.remote.retry``); a missing file
+        raises FileNotFoundError at once, and a read that failed for good OSError naming the index and the cause.
+        """
         src = os.fspath(src)
         if _is_url(src):
-            with sources.opened(src, storage_options) as (fs, path):
-                if src.endswith("/") or (_may_be_dir(fs, src) and fs.isdir(path)):
-                    src, path = src.rstrip("/") + "/" + FILENAME, path.rstrip("/") + "/" + FILENAME
+            with sources.opened(src, storage_options, timeout) as (fs, path):
+                where = [src]
+
+                def read() -> bytes:
+                    at = path
+                    if src.endswith("/") or (_may_be_dir(fs, src) and fs.isdir(path)):
+                        where[0], at = src.rstrip("/") + "/" + FILENAME, path.rstrip("/") + "/" + FILENAME
+                    with fs.open(at, "rb") as f:
+                        return f.read()
+
                 try:
-                    with fs.open(path, "rb") as f:
-                        raw = f.read()
+                    raw = remote.retry(read, retries, what=f"shard index {src}", timeout=timeout)
                 except FileNotFoundError:
-                    raise FileNotFoundError(f"shard index {src}: not found (build one with "
+                    raise FileNotFoundError(f"shard index {where[0]}: not found (build one with "
                                             "fastfeed.io.index_shards)") from None  # fmt: skip
+                except PermissionError as e:
+                    raise PermissionError(f"shard index {where[0]}: access denied ({remote.describe(e)}); check "
+                                          "storage_options' credentials") from e  # fmt: skip
+                except remote.RemoteError as e:
+                    raise remote.RemoteError(f"shard index {where[0]}: reading it {e}", attempts=e.attempts,
+                                             reason=e.reason, permanent=e.permanent) from e  # fmt: skip
+            src = where[0]
         else:
             src = os.path.abspath(src)
             if os.path.isdir(src):
@@ -266,7 +286,7 @@ class ShardIndex:
 
 
 def index_shards(source, *, dest=None, storage_options: dict | None = None, num_threads: int = 8,
-                 progress: bool = False) -> ShardIndex:  # fmt: skip
+                 progress: bool = False, retries: int = 3, timeout: float = 60.0) -> ShardIndex:  # fmt: skip
     """Index a shard set: read each shard once, streaming, ``num_threads`` shards at a time.
 
     Args:
@@ -276,20 +296,31 @@ def index_shards(source, *, dest=None, storage_options: dict | None = None, num_
         storage_options: passed to fsspec for URLs.
         num_threads: shards read at once.
         progress: show a progress bar over shards (tqdm).
+        retries: further attempts at a listing or a shard's read that failed transiently (a 5xx such as S3's 503
+            SlowDown, a reset or refused connection, a timeout), with backoff (``fastfeed.io.remote.retry``); a
+            missing shard (404) fails at once.
+        timeout: seconds a request may send nothing before the attempt fails.
 
     Returns:
         The index, its shards in source order.
 
     Raises:
-        ShardError: a shard is missing, short or damaged, or repeats a key after other samples.
+        ShardError: a shard is missing, short or damaged, repeats a key after other samples, or could not be read
+            in ``retries + 1`` attempts.
+        OSError: listing the source failed every attempt.
     """
     if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
         raise ValueError(f"index_shards: num_threads must be an int >= 1, got {num_threads!r}")
-    urls = sources.resolve(source, storage_options)
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise ValueError(f"index_shards: retries must be an int >= 0 (further attempts after a failure), "
+                         f"got {retries!r}")  # fmt: skip
+    if not timeout > 0:
+        raise ValueError(f"index_shards: timeout must be > 0 seconds, got {timeout!r}")
+    urls = sources.resolve(source, storage_options, retries=retries, timeout=timeout)
     fs_cache: dict = {}
 
     def one(url: str) -> dict:
-        return scan_shard(url, storage_options, fs_cache)
+        return scan_shard(url, storage_options, fs_cache, retries=retries, timeout=timeout)
 
     bar = _bar(progress, len(urls), "indexing shards", "shard")
     try:
@@ -312,35 +343,45 @@ def index_shards(source, *, dest=None, storage_options: dict | None = None, num_
     return index
 
 
-def scan_shard(url: str, storage_options: dict | None = None, fs_cache: dict | None = None) -> dict:
-    """One shard's entry (``url``, ``size``, ``crc32``, ``keys``, ``offsets``), from one streaming read."""
-    try:
-        if _is_url(url):
-            fs_key = url.split("://", 1)[0]
-            cache = fs_cache if fs_cache is not None else {}
-            if fs_key not in cache:
-                cache[fs_key] = sources.filesystem(url, storage_options)[0]
-            fs = cache[fs_key]
-            f = fs.open(fs._strip_protocol(url), "rb", block_size=CHUNK)
-        else:
-            f = open(url, "rb", buffering=0)
-    except FileNotFoundError:
-        raise ShardError(url, "not found") from None
-    except Exception as e:
-        raise ShardError(url, f"could not be opened ({type(e).__name__}: {e})") from e
-    with f:
-        scan = Scan(f, url)
-        keys, offsets = [], []
-        try:
+def scan_shard(url: str, storage_options: dict | None = None, fs_cache: dict | None = None, *, retries: int = 3,
+               timeout: float = 60.0) -> dict:  # fmt: skip
+    """One shard's entry (``url``, ``size``, ``crc32``, ``keys``, ``offsets``), from one streaming read; a read
+    that fails transiently is started again from the shard's first byte, up to ``retries`` more times."""
+    fs = None
+    if _is_url(url):
+        fs_key = url.split("://", 1)[0]
+        cache = fs_cache if fs_cache is not None else {}
+        if fs_key not in cache:
+            cache[fs_key] = sources.filesystem(url, storage_options, timeout)[0]
+        fs = cache[fs_key]
+    last_key = [None]  # the sample being read when the last attempt failed, for the error
+
+    def scan() -> dict:
+        last_key[0] = None
+        f = fs.open(fs._strip_protocol(url), "rb", block_size=CHUNK) if fs is not None else open(url, "rb", buffering=0)
+        with f:
+            scan = Scan(f, url)
+            keys, offsets = [], []
             for key, at in scan.samples():
                 keys.append(key)
                 offsets.append(at)
-        except ShardError:
-            raise
-        except Exception as e:  # a failed request mid-stream: fsspec's clients raise more than OSError
-            raise ShardError(url, f"read failed ({type(e).__name__}: {e})", keys[-1] if keys else None) from e
-    offsets.append(scan.end)
-    return {"url": url, "size": scan.size, "crc32": scan.crc, "keys": keys, "offsets": offsets}
+                last_key[0] = key
+        offsets.append(scan.end)
+        return {"url": url, "size": scan.size, "crc32": scan.crc, "keys": keys, "offsets": offsets}
+
+    try:
+        # ShardError: the bytes arrived and are not a valid shard; reading them again would not change that.
+        return remote.retry(scan, retries, what=f"shard {url}", final=(ShardError,), timeout=timeout)
+    except FileNotFoundError:
+        raise ShardError(url, "not found") from None
+    except PermissionError as e:
+        raise ShardError(url, f"access denied ({remote.describe(e)}); check storage_options' credentials") from e
+    except remote.RemoteError as e:
+        raise ShardError(url, f"read {e}", last_key[0]) from e
+    except ShardError:
+        raise
+    except OSError as e:  # a local path that is not a file (IsADirectoryError...)
+        raise ShardError(url, f"could not be read ({remote.describe(e)})") from e
 
 
 def _bar(progress: bool, total: int, desc: str, unit: str):

@@ -67,20 +67,33 @@ def epoch_order(counts: np.ndarray, starts: np.ndarray, *, seed: int, epoch: int
 
 @dataclass(frozen=True)
 class Split:
-    """How an epoch's positions are dealt out: global batches of ``batch_size * world`` positions, ``batches`` of
-    them; rank ``rank`` takes slice ``rank`` of each. Positions past the last sample wrap to the epoch's first
-    ones (``drop_last=False``, as DistributedSampler pads), so every rank has exactly ``batches`` full batches."""
+    """How an epoch's positions are dealt out: global batches of ``batch_size * world`` positions; rank ``rank``
+    takes slice ``rank`` of each, ``batches`` of them.
+
+    The last global batch is rarely full. ``drop_last`` drops it on every rank. ``pad`` fills it with the epoch's
+    first samples (positions past the last sample wrap, as DistributedSampler pads), so every rank has exactly
+    ``batches`` full batches: what ranks that meet at a collective each step need. Otherwise each sample comes once
+    and the last positions go to the ranks in order: the rank holding the epoch's end gets a short last batch, and
+    ranks after it one batch fewer (on one rank: a short last batch, as torch's loader gives)."""
 
     batch_size: int
     rank: int
     world: int
     batches: int
+    n_samples: int = 0
+    pad: bool = True
 
     @classmethod
-    def of(cls, n_samples: int, batch_size: int, rank: int, world: int, drop_last: bool) -> Split:
+    def of(cls, n_samples: int, batch_size: int, rank: int, world: int, drop_last: bool,
+           pad: bool = True) -> Split:  # fmt: skip
         per_global = batch_size * world
-        batches = n_samples // per_global if drop_last else math.ceil(n_samples / per_global)
-        return cls(batch_size, rank, world, batches)
+        if drop_last:
+            batches = n_samples // per_global
+        elif pad:
+            batches = math.ceil(n_samples / per_global)
+        else:  # the global batches in which this rank's slice starts before the epoch's end
+            batches = max(0, math.ceil((n_samples - rank * batch_size) / per_global))
+        return cls(batch_size, rank, world, batches, n_samples, pad or drop_last)
 
     @property
     def global_batch(self) -> int:
@@ -89,8 +102,18 @@ class Split:
     def positions(self, batch: int) -> range:
         """The epoch positions of this rank's batch ``batch`` (its samples are ``samples[p % n_samples]``)."""
         first = batch * self.global_batch + self.rank * self.batch_size
-        return range(first, first + self.batch_size)
+        end = first + self.batch_size
+        return range(first, end if self.pad else min(end, self.n_samples))
+
+    @property
+    def samples(self) -> int:
+        """The samples this rank yields this epoch (the last batch may be short when not padded)."""
+        if not self.batches:
+            return 0
+        return (self.batches - 1) * self.batch_size + len(self.positions(self.batches - 1))
 
     @property
     def positions_per_epoch(self) -> int:
-        return self.batches * self.global_batch
+        """Positions an epoch spans, the same on every rank: where the next epoch's positions start."""
+        return math.ceil(self.n_samples / self.global_batch) * self.global_batch if not self.pad else \
+            self.batches * self.global_batch  # fmt: skip

@@ -16,6 +16,7 @@ import itertools
 import os
 import re
 
+from .. import remote
 from ..remote import HINT, is_url
 
 SUFFIX = ".tar"  # what a directory's listing keeps
@@ -24,20 +25,23 @@ _INT_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?$")
 _CHAR_RANGE = re.compile(r"^([A-Za-z])\.\.([A-Za-z])(?:\.\.(-?\d+))?$")
 
 
-def resolve(source, storage_options: dict | None = None) -> list[str]:
+def resolve(source, storage_options: dict | None = None, *, retries: int = 3, timeout: float = 60.0) -> list[str]:
     """The shards ``source`` names, in order.
 
     Args:
         source: a list or tuple of paths or URLs (taken as given, in that order); a directory (local, or an fsspec
             URL of one: all its ``*.tar`` files, sorted by name); a brace pattern; a glob; or one path or URL.
         storage_options: passed to fsspec for URLs (``s3://`` credentials, ``endpoint_url`` in ``client_kwargs``).
+        retries: further attempts at a listing that failed transiently (``fastfeed.io.remote.retry``).
+        timeout: seconds a listing request may send nothing before the attempt fails.
 
     Returns:
         Local paths made absolute, URLs as given.
 
     Raises:
         ValueError: the source names no shards.
-        FileNotFoundError: a single local path that does not exist.
+        FileNotFoundError: a single local path that does not exist, or a URL that is missing.
+        OSError: listing a URL failed every attempt (a refused connection, a 503...), or was refused (403).
         TypeError: ``source`` is not a path, a URL or a list of them.
     """
     if isinstance(source, (list, tuple)):
@@ -59,10 +63,11 @@ def resolve(source, storage_options: dict | None = None) -> list[str]:
         out = []
         for s in braceexpand(source):
             # A glob inside a pattern ("{train,val}/*.tar") is listed; a plain name is taken as given, unlisted.
-            out.extend(resolve(s, storage_options) if _GLOB.search(s.split("://", 1)[-1]) else [_absolute(s)])
+            listed = _GLOB.search(s.split("://", 1)[-1])
+            out.extend(resolve(s, storage_options, retries=retries, timeout=timeout) if listed else [_absolute(s)])
         return out
     if is_url(source) or source.startswith("file://"):
-        return _resolve_url(source, storage_options)
+        return _resolve_url(source, storage_options, retries, timeout)
     if _GLOB.search(source):
         found = sorted(os.path.abspath(p) for p in globbing.glob(source) if os.path.isfile(p))
         if not found:
@@ -78,21 +83,23 @@ def resolve(source, storage_options: dict | None = None) -> list[str]:
     return [os.path.abspath(source)]
 
 
-def filesystem(url: str, storage_options: dict | None = None):
-    """``(fsspec filesystem, path)`` for ``url``, with a clear error when fsspec is not installed."""
+def filesystem(url: str, storage_options: dict | None = None, timeout: float | None = None):
+    """``(fsspec filesystem, path)`` for ``url``, with a clear error when fsspec is not installed; ``timeout``:
+    seconds a request may send nothing (connect and read timeouts, as for downloads), None: the client's own."""
     try:
         import fsspec.core
     except ImportError:
         raise ImportError(f"fastfeed shards: {url} needs fsspec: {HINT}") from None
     # A filesystem of our own, never fsspec's shared instance: it closes its connections once dropped, and a
     # forked worker never inherits one whose event loop and connections are its parent's.
-    return fsspec.core.url_to_fs(url, skip_instance_cache=True, **(storage_options or {}))
+    options = remote.client_options(remote.protocol(url), storage_options, timeout)
+    return fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)
 
 
 @contextlib.contextmanager
-def opened(url: str, storage_options: dict | None = None):
+def opened(url: str, storage_options: dict | None = None, timeout: float | None = None):
     """``filesystem(url)`` for a block of code, its connections closed when the block ends (``release``)."""
-    fs, path = filesystem(url, storage_options)
+    fs, path = filesystem(url, storage_options, timeout)
     try:
         yield fs, path
     finally:
@@ -113,14 +120,29 @@ def release(fs) -> None:
             final()
 
 
-def _resolve_url(source: str, storage_options: dict | None) -> list[str]:
-    with opened(source, storage_options) as (fs, path):
-        return _list_url(source, fs, path)
+def _resolve_url(source: str, storage_options: dict | None, retries: int, timeout: float) -> list[str]:
+    """The listing of a URL, retried as a whole as reads are (a store shedding load answers a listing with 503
+    too); errors name the source and what went wrong, a refused connection included."""
+    with opened(source, storage_options, timeout) as (fs, path):
+        try:
+            # ValueError: the listing itself says there are no shards; another attempt would say it again.
+            return remote.retry(lambda: _list_url(source, fs, path), retries, what=f"listing {source}",
+                                final=(ValueError,), timeout=timeout)  # fmt: skip
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"shard source {source!r}: no such file or directory") from e
+        except PermissionError as e:
+            raise PermissionError(f"shard source {source!r}: listing it was denied ({remote.describe(e)}); "
+                                  "check storage_options' credentials") from e  # fmt: skip
+        except remote.RemoteError as e:
+            raise remote.RemoteError(f"shard source {source!r}: listing it {e}", attempts=e.attempts,
+                                     reason=e.reason, permanent=e.permanent) from e  # fmt: skip
 
 
 def _list_url(source: str, fs, path: str) -> list[str]:
+    # Each entry's type comes with the listing: asking isfile() of each would be a request per shard (over HTTP
+    # a GET), and one that failed would silently drop the shard from the set.
     if _GLOB.search(path):
-        found = sorted(p for p in fs.glob(path) if fs.isfile(p))
+        found = sorted(p for p, info in fs.glob(path, detail=True).items() if info.get("type") == "file")
         if not found:
             raise ValueError(f"shard source {source!r}: the glob matches no files")
         static = source[: _GLOB.search(source).start()].rsplit("/", 1)[0]
@@ -131,7 +153,8 @@ def _list_url(source: str, fs, path: str) -> list[str]:
     if path.rstrip("/").endswith(SUFFIX) or ({"http", "https"} & set(protocols) and not source.endswith("/")):
         return [source]
     if fs.isdir(path):
-        found = sorted(p for p in fs.ls(path, detail=False) if p.endswith(SUFFIX) and fs.isfile(p))
+        found = sorted(e["name"] for e in fs.ls(path, detail=True) if e["name"].endswith(SUFFIX)
+                       and e.get("type") == "file")  # fmt: skip
         if not found:
             raise ValueError(f"shard source {source!r}: the directory holds no *{SUFFIX} files")
         return [_as_url(fs, source.rstrip("/"), p) for p in found]
