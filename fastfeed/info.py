@@ -61,7 +61,8 @@ def _nvml() -> str:
 
 
 def _ray(timeout_s: float = RAY_PROBE_S) -> dict:
-    """Ray's version and, when a cluster is connected or running, its nodes and CPUs (``ray_connect``'s summary).
+    """Ray's version and, when a cluster is connected or running, its nodes, their CPUs and the other resources
+    ``ray_options`` can name (``ray_connect``'s summary).
 
     This process's own ``ray.init`` is read as it is; otherwise a child process tries ``ray.init(address="auto")``
     for at most ``timeout_s``. ``status`` says which, or why there is no cluster.
@@ -214,8 +215,14 @@ def _render_ray(ray: dict) -> list[str]:
     nodes = cluster["nodes"]
     alive = [n for n in nodes if n["alive"]]
     lines = [f"ray {ray['version']}: {ray['status']}, {len(alive)} node(s) alive of {len(nodes)}, "
-             f"{cluster['cpus']:g} CPUs"]  # fmt: skip
+             f"{cluster['cpus']:g} CPUs{_resources(cluster)}"]  # fmt: skip
     for n in nodes:
-        lines.append(f"  ray node {n['node_id'][:12]} {n['address']}: {n['cpus']:g} CPUs"
+        lines.append(f"  ray node {n['node_id'][:12]} {n['address']}: {n['cpus']:g} CPUs{_resources(n)}"
                      + ("" if n["alive"] else " (dead)"))  # fmt: skip
     return lines
+
+
+def _resources(entry: dict) -> str:
+    """A node's (or the cluster's) custom resources and GPUs, as ``ray_options`` names them (``, preprocess 32``);
+    nothing when it has none."""
+    return "".join(f", {name} {amount:g}" for name, amount in (entry.get("resources") or {}).items())

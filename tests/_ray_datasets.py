@@ -115,3 +115,28 @@ class CountsPickles(tud.Dataset):
     def __getstate__(self):
         type(self).pickled += 1
         return self.__dict__
+
+
+class Gated(tud.Dataset):
+    """Items from ``first_held`` on wait until the file ``gate`` exists (at most ``limit_s``, so a failed test
+    cannot hang an actor for ever): a test holds the epoch open at a point it knows, for as long as it needs."""
+
+    def __init__(self, gate: str, n=8, first_held=2, limit_s=60.0):
+        self.gate, self.n, self.first_held, self.limit_s = gate, n, first_held, limit_s
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, index):
+        if index >= self.first_held:
+            deadline = time.monotonic() + self.limit_s
+            while not os.path.exists(self.gate) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return torch.tensor([index])
+
+
+def init_then_hang(marker: str, worker_id: int) -> None:
+    """worker_init_fn (bound to ``marker`` with functools.partial): creates the file ``marker`` (the actor was placed
+    and runs), then does not return for 60 s: a start that outlasts any start timeout a test sets."""
+    open(marker, "w").close()
+    time.sleep(60)

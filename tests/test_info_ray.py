@@ -1,4 +1,5 @@
-"""`fastfeed info` and Ray: its version, a connected cluster's nodes and CPUs, and a bounded probe for one."""
+"""`fastfeed info` and Ray: its version, a connected cluster's nodes, CPUs and custom resources, and a bounded probe
+for one."""
 
 from __future__ import annotations
 
@@ -52,6 +53,41 @@ def test_a_connected_process_shows_the_clusters_nodes_and_cpus(ray_installed, mo
     lines = info._render_ray(ray)
     assert lines[0] == "ray 9.9.9: connected (this process), 2 node(s) alive of 3, 4 CPUs"
     assert lines[2] == "  ray node 0f0e0d0c0b0a 127.0.0.1: 4 CPUs" and lines[3].endswith("(dead)")
+
+
+def test_each_nodes_custom_resources_and_gpus_are_listed(ray_installed, monkeypatch):
+    """The resources ray_options names (a node label such as preprocess, GPUs) are listed per node and for the
+    cluster, after its CPUs: what a user checks an actor's options against."""
+    summary = {"nodes": [{"node_id": "a1b2c3d4e5f6a7b8", "address": "10.0.0.1", "cpus": 0.0, "resources": {},
+                          "alive": True},
+                         {"node_id": "0f0e0d0c0b0a0908", "address": "10.0.0.2", "cpus": 32.0,
+                          "resources": {"GPU": 1.0, "preprocess": 32.0}, "alive": True}],
+               "cpus": 32.0, "resources": {"GPU": 1.0, "preprocess": 32.0}}  # fmt: skip
+    lines = info._render_ray({"version": "9.9.9", "cluster": summary, "status": "connected (this process)"})
+    assert lines == ["ray 9.9.9: connected (this process), 2 node(s) alive of 2, 32 CPUs, GPU 1, preprocess 32",
+                     "  ray node a1b2c3d4e5f6 10.0.0.1: 0 CPUs",
+                     "  ray node 0f0e0d0c0b0a 10.0.0.2: 32 CPUs, GPU 1, preprocess 32"]  # fmt: skip
+
+
+def test_the_summary_lists_custom_resources_and_leaves_out_bytes_and_address_labels(monkeypatch):
+    """ray_connect's summary, from ray.nodes() as Ray gives them: each node's custom resources and GPUs, summed over
+    the alive nodes; not its memory and object store (bytes) or its node:<address> label."""
+    nodes = [{"NodeID": "aa", "NodeManagerAddress": "10.0.0.1", "Alive": True,
+              "Resources": {"CPU": 8.0, "preprocess": 8.0, "memory": 3e10, "object_store_memory": 1e10,
+                            "node:10.0.0.1": 1.0, "node:__internal_head__": 1.0}},
+             {"NodeID": "bb", "NodeManagerAddress": "10.0.0.2", "Alive": True,
+              "Resources": {"CPU": 4.0, "preprocess": 4.0, "GPU": 2.0, "accelerator_type:A100": 1.0}},
+             {"NodeID": "cc", "NodeManagerAddress": "10.0.0.3", "Alive": False,
+              "Resources": {"CPU": 4.0, "preprocess": 100.0}}]  # fmt: skip
+    fake_ray = types.SimpleNamespace(is_initialized=lambda: True, nodes=lambda: nodes)
+    monkeypatch.setitem(sys.modules, "ray", fake_ray)
+    from fastfeed._workers import ray_connect
+
+    summary = ray_connect.cluster_summary()
+    assert [n["resources"] for n in summary["nodes"]] == [
+        {"preprocess": 8.0}, {"GPU": 2.0, "accelerator_type:A100": 1.0, "preprocess": 4.0}, {"preprocess": 100.0}]
+    assert summary["cpus"] == 12.0
+    assert summary["resources"] == {"GPU": 2.0, "accelerator_type:A100": 1.0, "preprocess": 12.0}
 
 
 def test_the_probe_reads_a_running_clusters_summary_from_a_child(ray_installed, monkeypatch):

@@ -5,7 +5,9 @@ replacement actor takes when a node goes); batches are compared with torch's Dat
 bit.
 """
 
+import functools
 import gc
+import logging
 import os
 import signal
 import subprocess
@@ -255,6 +257,17 @@ def test_ray_options_place_the_actors(cluster):
     del it
 
 
+def test_fastfeed_info_lists_the_label_ray_options_name(cluster):
+    """`fastfeed info` in a connected process lists the labelled node's custom resource beside its CPUs, and the
+    cluster's total: what ray_options={"resources": {"prep": ...}} is checked against."""
+    from fastfeed import info
+
+    got = info._ray()
+    lines = info._render_ray(got)
+    assert got["status"] == "connected (this process)" and got["cluster"]["resources"] == {"prep": 1.0}
+    assert lines[0].endswith(" CPUs, prep 1") and sum(line.endswith(": 1 CPUs, prep 1") for line in lines) == 1
+
+
 def test_bad_arguments_say_what_to_pass():
     """Mismatched worker_type / num_workers / ray_options raise ValueErrors naming the fix."""
     data = torch.arange(4)
@@ -268,13 +281,135 @@ def test_bad_arguments_say_what_to_pass():
         fastfeed.DataLoader(data, worker_type=("thread", "ray"), num_workers=(1, 1))
 
 
-def test_an_actor_with_no_room_on_the_cluster_raises_instead_of_waiting(cluster, monkeypatch):
-    """An actor no node can host (more CPUs than any has) raises after the start timeout, naming what to change."""
-    monkeypatch.setenv("FASTFEED_RAY_START_TIMEOUT_S", "2")
+def test_an_actor_no_node_can_ever_host_raises_at_once(cluster, monkeypatch):
+    """ray_options no single node has (2 CPUs, which only the nodes together have: an actor cannot span them; a
+    resource no node has) raise before any actor starts, however long the start timeout, naming the options, what
+    the cluster has and what to change; nothing is left."""
+    monkeypatch.setenv("FASTFEED_RAY_START_TIMEOUT_S", "600")
+    total = ray.cluster_resources()
+    for options, has in (({"num_cpus": 2}, f"(CPU {total['CPU']:g} in all)"),
+                         ({"num_cpus": 0.5, "resources": {"nonexistent_resource": 1}},
+                          f"(CPU {total['CPU']:g}, nonexistent_resource 0 in all)")):  # fmt: skip
+        loader = fastfeed.DataLoader(torch.arange(8), batch_size=2, num_workers=2, worker_type="ray",
+                                     ray_options=options)  # fmt: skip
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError) as caught:
+            next(iter(loader))
+        assert time.monotonic() - t0 < 10, "raised only after waiting"
+        text = str(caught.value)
+        assert f"no node of the Ray cluster can ever host one actor with ray_options {options}" in text, text
+        assert has in text and "Lower ray_options" in text and "ray start --address" in text, text
+        del loader, caught
+        gc.collect()
+        assert wait_no_actors() == []
+
+
+def test_a_node_type_the_autoscaler_may_add_makes_it_a_wait_not_an_error(monkeypatch):
+    """never_fits counts alive nodes (one actor on one node, fractions as Ray sums them) and the node types an
+    autoscaler reports to the cluster (those it may still add): options only such a type has wait for the node;
+    with none that fits, the error says the autoscaler cannot add one either."""
+    import types
+
+    from ray._private import state
+    from ray.core.generated import autoscaler_pb2
+
+    from fastfeed._workers import ray_connect
+
+    fake = types.SimpleNamespace(nodes=lambda: [{"Alive": True, "Resources": {"CPU": 4.0, "memory": 8e9}},
+                                                {"Alive": False, "Resources": {"CPU": 64.0, "preprocess": 8.0}}])
+    config = autoscaler_pb2.ClusterConfig(node_group_configs=[
+        autoscaler_pb2.NodeGroupConfig(name="cpu", resources={"CPU": 16, "preprocess": 16}, max_count=10),
+        autoscaler_pb2.NodeGroupConfig(name="big", resources={"CPU": 128}, max_count=0)])  # fmt: skip
+    monkeypatch.setattr(state.state, "get_cluster_config", lambda: config)
+    assert ray_connect.never_fits(fake, {"num_cpus": 8, "resources": {"preprocess": 1}}) is None
+    text = ray_connect.never_fits(fake, {"num_cpus": 64})  # only a type the autoscaler may add no more of has it
+    assert "and no node type its autoscaler may add has it either" in text, text
+    monkeypatch.setattr(state.state, "get_cluster_config", lambda: None)  # a cluster started by hand
+    text = ray_connect.never_fits(fake, {"num_cpus": 8, "resources": {"preprocess": 1}})
+    assert "needs CPU 8, preprocess 1 on one node" in text, text
+    assert ("1 alive node(s) have 1 x (CPU 4, preprocess 0) (CPU 4, preprocess 0 in all), and it reports no "
+            "autoscaler node types") in text, text  # the dead node counts for nothing
+    assert ray_connect.never_fits(fake, {"num_cpus": 4, "memory": 4e9}) is None  # fits, busy or not: a wait
+    tenths = types.SimpleNamespace(nodes=lambda: [{"Alive": True, "Resources": {"CPU": 0.3}}])
+    assert ray_connect.never_fits(tenths, {"num_cpus": 0.1 + 0.2}) is None
+
+
+def test_actors_waiting_for_room_are_logged_within_seconds_then_time_out(cluster, monkeypatch, caplog):
+    """With every CPU of the cluster held by another loader's actors, a loader's actor (which fits a node, once
+    one is free) waits: within moments the fastfeed logger says how many actors wait, with which options, and what
+    the cluster has free; the start timeout then raises naming them, whichever way the loop waits (in order, out of
+    order, with a local worker beside the actor), and no actor is left."""
+    cpus = int(ray.cluster_resources()["CPU"])
+    holder = fastfeed.DataLoader(torch.arange(64), batch_size=2, num_workers=cpus, worker_type="ray")
+    held = iter(holder)
+    next(held)  # mid-epoch: its actors stay, each on a CPU
+    assert all(_where(holder, i) for i in range(cpus)), "the holding loader's actors did not all start"
+    monkeypatch.setattr(ray_pool, "EARLY_NOTICE_S", 0.5)
+    monkeypatch.setenv("FASTFEED_RAY_START_TIMEOUT_S", "4")
+    caplog.set_level(logging.WARNING, logger="fastfeed")
+    ways = (("ray", 1, True), ("ray", 1, False), (("process", "ray"), (1, 1), False))
+    for worker_type, num_workers, in_order in ways:
+        caplog.clear()
+        # timeout: a loop that never applied the start timeout would otherwise wait for ever
+        loader = fastfeed.DataLoader(torch.arange(8), batch_size=2, num_workers=num_workers, worker_type=worker_type,
+                                     in_order=in_order, timeout=60)  # fmt: skip
+        expected = (r"DataLoader worker \d \(Ray actor\) found no node with room for it in 4 s \(actor options "
+                    r"\{'num_cpus': 1\}; each needs CPU 1 on one node, and the cluster has CPU 0 free, of CPU \d in "
+                    r"all\): free those")  # fmt: skip
+        with pytest.raises(RuntimeError, match=expected):
+            list(loader)
+        raised = time.time()
+        notes = [r for r in caplog.records if "Ray actors of this DataLoader to start" in r.getMessage()]
+        assert len(notes) == 1 and notes[0].name == "fastfeed", [r.getMessage() for r in caplog.records]
+        text = notes[0].getMessage()
+        assert "waiting for 1 of 1 Ray actors" in text and "1 not placed on a node yet, 0 placed" in text, text
+        assert (f"ray_options {{'num_cpus': 1}}: each needs CPU 1 on one node, and the cluster has CPU 0 free, of "
+                f"CPU {cpus} in all. The loader waits for room") in text, text  # fmt: skip
+        assert raised - notes[0].created > 2, f"{worker_type}, in_order={in_order}: the notice came only at the end"
+        del loader
+        gc.collect()
+    del held, holder
+    gc.collect()
+    assert wait_no_actors() == []
+
+
+def test_an_actor_placed_but_slow_to_start_is_not_blamed_on_room(cluster, monkeypatch, caplog, tmp_path):
+    """An actor Ray placed whose start does not end (its worker_init_fn hangs): the notice counts it as placed and
+    starting, and the start timeout's error says it was placed and what may hang, not that no node had room.
+
+    The loop looks every 0.2 s here, and the notice and the timeout are brought forward only once the actor is
+    known to run (its worker_init_fn made a file) and the notice was logged: each step waits on an event."""
+    monkeypatch.setattr(fastfeed._workers.pool, "STATUS_CHECK_S", 0.2)
+    monkeypatch.setattr(ray_pool, "EARLY_NOTICE_S", 600.0)
+    monkeypatch.setenv("FASTFEED_RAY_START_TIMEOUT_S", "600")
+    caplog.set_level(logging.WARNING, logger="fastfeed")
+    marker = tmp_path / "init-runs"
     loader = fastfeed.DataLoader(torch.arange(8), batch_size=2, num_workers=1, worker_type="ray",
-                                 ray_options={"num_cpus": 64})  # fmt: skip
-    with pytest.raises(RuntimeError, match=r"found no node with room for it in 2 s \(actor options \{'num_cpus': 64"):
-        next(iter(loader))
+                                 worker_init_fn=functools.partial(rds.init_then_hang, str(marker)))  # fmt: skip
+
+    def noticed():
+        return [r for r in caplog.records if "Ray actors of this DataLoader to start" in r.getMessage()]
+
+    def steer():
+        deadline = time.monotonic() + 60  # bounds only a test gone wrong
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        monkeypatch.setattr(ray_pool, "EARLY_NOTICE_S", 0.0)
+        while not noticed() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        monkeypatch.setenv("FASTFEED_RAY_START_TIMEOUT_S", "0")
+
+    steering = threading.Thread(target=steer, daemon=True)
+    steering.start()
+    try:
+        with pytest.raises(RuntimeError, match=r"DataLoader worker 0 \(Ray actor, pid \d+ on its node\) was placed but "
+                                               r"has not started in 0 s: .*worker_init_fn takes that long or hangs"):
+            list(loader)
+    finally:
+        steering.join()
+    (note,) = noticed()
+    text = note.getMessage()
+    assert "0 not placed on a node yet, 1 placed and starting" in text and "Their start is what takes long" in text
     del loader
     gc.collect()
     assert wait_no_actors() == []
@@ -350,9 +485,31 @@ def test_an_unrecoverable_iterable_position_raises_a_clear_error(cluster):
     gc.collect()
 
 
-def test_nothing_is_left_behind_after_delete_error_or_ctrl_c(cluster):
-    """After a loader is deleted (mid-epoch or after whole epochs), a dataset error or Ctrl-C, no actor of
-    fastfeed's is alive and no object reference of its remains."""
+def _interrupt_once_inside(code, limit_s=60.0) -> threading.Thread:
+    """A thread that sends SIGINT to the main thread (as Ctrl-C does) once the main thread runs ``code`` (a frame of
+    it is on its stack): an interrupt at a point the test knows, not after a guessed delay. ``limit_s`` only bounds
+    a test that went wrong."""
+    main = threading.main_thread().ident
+
+    def watch():
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            frame = sys._current_frames().get(main)
+            while frame is not None and frame.f_code is not code:
+                frame = frame.f_back
+            if frame is not None:
+                signal.pthread_kill(main, signal.SIGINT)
+                return
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=watch, name="interrupt-when-waiting", daemon=True)
+    thread.start()
+    return thread
+
+
+def test_nothing_is_left_behind_after_delete_error_or_ctrl_c(cluster, tmp_path):
+    """After a loader is deleted (mid-epoch or after whole epochs), a dataset error or Ctrl-C while the loop waits
+    for a batch, no actor of fastfeed's is alive and no object reference of its remains."""
     gc.collect()
     refs = owned_refs()
     loader = fastfeed.DataLoader(rds.SlowAugmented(n=40, delay=0.01), batch_size=2, num_workers=2,
@@ -371,13 +528,19 @@ def test_nothing_is_left_behind_after_delete_error_or_ctrl_c(cluster):
     del loader
     gc.collect()
     assert wait_no_actors() == [] and owned_refs() <= refs
-    loader = fastfeed.DataLoader(rds.Sleepy(), batch_size=2, num_workers=2, worker_type="ray")
-    timer = threading.Timer(1.5, signal.raise_signal, (signal.SIGINT,))
-    timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        list(loader)
-    timer.join()
+    gate = tmp_path / "gate"
+    loader = fastfeed.DataLoader(rds.Gated(str(gate)), batch_size=2, num_workers=2, worker_type="ray")
+    it = iter(loader)
+    next(it)  # batch 0: the epoch is under way; batch 1 (samples 2 and 3) waits at the gate, which stays shut
+    sender = _interrupt_once_inside(ray_pool.RayPool.recv.__code__)  # the loop waits there for batch 1
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            next(it)
+    finally:
+        sender.join()
+        gate.touch()  # an actor Ctrl-C failed to kill finishes its samples instead of waiting out the gate
     assert wait_no_actors() == [], "Ctrl-C kills the actors at once, even while the loader lives"
+    del it
     del loader
     gc.collect()
     assert owned_refs() <= refs

@@ -14,11 +14,18 @@ the batches it made), which is what a worker process keeps for ``DataLoader.stat
 dies, or an answer is lost with its node, a new actor starts from the state after the last answer taken, as
 ``load_state_dict`` restarts a worker process, and the tasks still owed are sent to it again, in order: the user sees
 the batches of an uninterrupted run. A batch that keeps killing its actor raises after ``MAX_LOSSES`` replacements.
+
+Waiting for room. An actor no node of the cluster could ever host (``ray_options`` asking for more than any one node
+has) raises before anything starts. One that fits but finds every node busy waits: after ``EARLY_NOTICE_S`` the
+``fastfeed`` logger says how many actors wait, for what, and what the cluster has free; after
+``start_timeout_s()`` the loader raises. The same watch runs whether the loop waits for one worker (in order) or for
+any (``in_order=False``).
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import sys
 import time
@@ -28,12 +35,18 @@ import numpy as np
 
 from .._native import C
 from . import messages as m
+from . import ray_connect
 from .loop import SlotWriter
 from .pool import STATUS_CHECK_S, Clock, WorkerDied
 from .ray_actor import from_wire, owned
 
+log = logging.getLogger("fastfeed")
+
 MAX_LOSSES = 3  # replacement actors one batch may cost before it, not the cluster, is blamed
 SPARE_GRACE_S = 1.0  # an actor not placed by then may be waiting for CPUs that idle spare actors hold
+# An actor not started by then is waiting for room (or a slow node): say so long before the start timeout, which must
+# be long enough for a busy cluster to free room and so would otherwise be minutes of silence.
+EARLY_NOTICE_S = 5.0
 DEFAULT_OPTIONS = {"num_cpus": 1}  # a worker uses a core, as a worker process does
 _START = "start"  # the pending entry of an actor's start call
 _LOCAL = "local"  # a StateRequest, answered here from the states that came with the answers
@@ -163,6 +176,8 @@ class RayPool:
         self._lost = _lost_errors(ray)
         self._spec_ref = ray.put(spec)
         self._freed = False  # other loaders' spare actors were killed to make room
+        self._checked = False  # the cluster was asked whether any node can host an actor at all
+        self._noticed = False  # the log said what the actors not started wait for
         self.workers: list[_Worker] = []
         try:
             for i in range(num_workers):
@@ -176,7 +191,16 @@ class RayPool:
 
     def _new_actor(self):
         actor = self._spare.take(self._key) if self._spare is not None else None
-        return actor if actor is not None else self._cls.remote()
+        if actor is not None:
+            return actor
+        if not self._checked:
+            self._checked = True
+            # Ray would keep such an actor pending for ever; waiting out the start timeout would tell the user
+            # nothing more than this does now.
+            why = ray_connect.never_fits(self.ray, self._options)
+            if why:
+                raise RuntimeError(f"worker_type='ray': {why}")
+        return self._cls.remote()
 
     def _worker(self, wid: int) -> _Worker:
         return self.workers[wid - self.first_id]
@@ -258,7 +282,9 @@ class RayPool:
                     fronts[ref] = w
             if not fronts:
                 raise RuntimeError("recv_any() with no answer owed by any Ray actor")
-            done, _ = self.ray.wait(list(fronts), num_returns=1, timeout=min(clock.next_wait(), STATUS_CHECK_S))
+            starting = [w for w in fronts.values() if w.pending[0][0] is _START]
+            wait = min(clock.next_wait(), STATUS_CHECK_S, self._watch_starts(clock, starting))
+            done, _ = self.ray.wait(list(fronts), num_returns=1, timeout=wait)
             if done:
                 w = fronts[done[0]]
                 msg, ref = w.pending[0]
@@ -276,24 +302,116 @@ class RayPool:
         """Wait for ``ref`` up to the clock's next look; an actor never placed is an error, not a hang."""
         wait = clock.next_wait()
         if msg is _START:
-            wait = min(wait, SPARE_GRACE_S if not self._freed else STATUS_CHECK_S)
-        if msg is _START and not self._freed and time.monotonic() - clock.start >= SPARE_GRACE_S:
-            self._freed = True
-            # Other loaders' idle actors may hold the CPUs this one waits for.
-            if self.ray.available_resources().get("CPU", 0.0) < self._options.get("num_cpus", 1) and free_spares():
-                wait = min(wait, 0.1)
+            wait = min(wait, self._watch_starts(clock, [w]))
         done, _ = self.ray.wait([ref], timeout=wait)
         if done:
             return True
-        if msg is _START and time.monotonic() - clock.start >= start_timeout_s():
-            raise RuntimeError(
-                f"DataLoader worker {w.wid} (Ray actor) found no node with room for it in {start_timeout_s():.0f} s "
-                f"(actor options {self._options}; the cluster has {self.ray.available_resources().get('CPU', 0):g} "
-                "free CPUs): add nodes, lower num_workers, or pass ray_options={'num_cpus': ...} "
-                "(FASTFEED_RAY_START_TIMEOUT_S sets the wait)"
-            )
         clock.check()
         return False
+
+    def _watch_starts(self, clock: Clock, starting: list) -> float:
+        """While the loop has waited (since ``clock.start``) for actors ``starting`` to start: after SPARE_GRACE_S,
+        kill other loaders' idle actors if the cluster lacks room; after EARLY_NOTICE_S, log what the actors wait
+        for (once); after ``start_timeout_s()``, raise. Returns the seconds until the next of these is due."""
+        if not starting:
+            return STATUS_CHECK_S
+        waited = time.monotonic() - clock.start
+        limit = start_timeout_s()
+        if waited >= limit:
+            self._start_timed_out(starting, limit)
+            return 0.0  # they answered since the caller looked: it takes their starts now
+        due = [limit]
+        if not self._freed:
+            if waited < SPARE_GRACE_S:
+                due.append(SPARE_GRACE_S)
+            else:
+                self._freed = True
+                # Other loaders' idle actors may hold the resources this one waits for.
+                need = ray_connect.demand(self._options)
+                if not ray_connect.fits(self.ray.available_resources(), need) and free_spares():
+                    due.append(waited + 0.1)  # look again soon: the freed room is taken within moments
+        if not self._noticed:
+            if waited < EARLY_NOTICE_S:
+                due.append(EARLY_NOTICE_S)
+            else:
+                self._noticed = True
+                self._notice(waited, limit)
+        return max(0.0, min(due) - waited)
+
+    def _room(self) -> str:
+        """What one actor needs and what the cluster has free and in all, for messages."""
+        need = ray_connect.demand(self._options)
+        free, total = self.ray.available_resources(), self.ray.cluster_resources()
+        return (f"each needs {ray_connect.describe(need, need)} on one node, and the cluster has "
+                f"{ray_connect.describe(free, need)} free, of {ray_connect.describe(total, need)} in all")  # fmt: skip
+
+    def _not_started(self, workers: list) -> list[int]:
+        """The ids of ``workers`` whose start, in front of what they owe, has not answered."""
+        fronts = {w.pending[0][1]: w for w in workers if w.pending and w.pending[0][0] is _START}
+        if not fronts:
+            return []
+        done, _ = self.ray.wait(list(fronts), num_returns=len(fronts), timeout=0)
+        done = set(done)
+        return [w.wid for ref, w in fronts.items() if ref not in done]
+
+    def _pids(self, wids: list[int]) -> dict[int, int] | None:
+        """Per worker of ``wids``, the pid of its actor's process (0: Ray has not placed it on a node yet), from
+        Ray's actor table; None when the table cannot say (a Ray whose private state moved)."""
+        try:
+            from ray._private import state
+
+            return {wid: int(state.actors(actor_id=self._worker(wid).actor._actor_id.hex()).get("Pid") or 0)
+                    for wid in wids}  # fmt: skip
+        except Exception:  # noqa: BLE001 (only for messages)
+            return None
+
+    def _start_timed_out(self, starting: list, limit: float) -> None:
+        """Raise for the actors of ``starting`` that still have not started (none: return), naming why: no node
+        with room, or a start that takes too long where it was placed."""
+        ids = self._not_started(starting)
+        if not ids:
+            return
+        pids = self._pids(ids) or {}
+        unplaced = [wid for wid in ids if not pids.get(wid)]
+        if not unplaced:
+            wid = ids[0]
+            raise RuntimeError(
+                f"DataLoader worker {wid} (Ray actor, pid {pids[wid]} on its node) was placed but has not started in "
+                f"{limit:.0f} s: starting its process (runtime_env, imports), unpickling the dataset or "
+                "worker_init_fn takes that long or hangs (`ray stack` on its node shows where; "
+                "FASTFEED_RAY_START_TIMEOUT_S sets the wait)"
+            )
+        who = f"worker {unplaced[0]} (Ray actor)" if len(unplaced) == 1 else f"workers {_short(unplaced)} (Ray actors)"
+        raise RuntimeError(
+            f"DataLoader {who} found no node with room for {'it' if len(unplaced) == 1 else 'them'} in {limit:.0f} s "
+            f"(actor options {self._options}; {self._room()}): free those resources, add nodes, lower "
+            "num_workers, or pass smaller ray_options such as {'num_cpus': ...} (FASTFEED_RAY_START_TIMEOUT_S "
+            "sets the wait)"
+        )
+
+    def _notice(self, waited: float, limit: float) -> None:
+        """Log how many actors have not started, whether Ray has placed them, what one needs and what the cluster
+        has free."""
+        waiting = self._not_started(self.workers)
+        if not waiting:
+            return
+        pids = self._pids(waiting)
+        placed = None if pids is None else sum(1 for wid in waiting if pids[wid])
+        if placed is None:
+            where = "placed on a node or not: Ray's actor table did not say"
+        else:
+            where = (f"{len(waiting) - placed} not placed on a node yet, {placed} placed and starting (process, "
+                     "imports, worker_init_fn)")  # fmt: skip
+        if placed == len(waiting):
+            then = (f"Their start is what takes long; the loader raises after FASTFEED_RAY_START_TIMEOUT_S "
+                    f"({limit:.0f} s) if it does not end.")  # fmt: skip
+        else:
+            then = (f"The loader waits for room (other actors and tasks to end, nodes to join) and raises after "
+                    f"FASTFEED_RAY_START_TIMEOUT_S ({limit:.0f} s); to start sooner, free those resources, add "
+                    "nodes, or lower num_workers or ray_options.")  # fmt: skip
+        log.warning("fastfeed: waiting for %d of %d Ray actors of this DataLoader to start (workers %s, %.0f s so "
+                    "far): %s. ray_options %s: %s. %s", len(waiting), len(self.workers), _short(waiting), waited,
+                    where, self._options, self._room(), then)  # fmt: skip
 
     def _get(self, w: _Worker, ref):
         """The answer behind ``ref``, or None when the actor (or the answer) was lost and has been replaced."""
@@ -378,6 +496,7 @@ class RayPool:
             if entry[1] is not _LOCAL:
                 entry[1] = w.actor.call.remote(entry[0])
         w.pending = collections.deque([[_START, start], *owed])
+        self._noticed = False  # a replacement that finds no room is worth its own notice
         print(f"fastfeed: DataLoader worker {w.wid} (Ray actor) was lost ({type(error).__name__}); a new actor "
               f"continues from its last batch and redoes {sum(type(e[0]) is m.Task for e in owed)} owed",
               file=sys.stderr, flush=True)  # fmt: skip
@@ -465,6 +584,9 @@ class MixedPool:
                 if w.pending and self.remote.ready(w.wid):
                     return self.remote.recv(w.wid, timeout)
             fronts = [ref for w in self.remote.workers for msg, ref in list(w.pending)[:1] if ref is not _LOCAL]
+            # ready() took every start that had answered: a start still in front has not.
+            starting = [w for w in self.remote.workers if w.pending and w.pending[0][0] is _START]
+            self.remote._watch_starts(clock, starting)
             if fronts:
                 self.remote.ray.wait(fronts, num_returns=1, timeout=0.002)
             else:

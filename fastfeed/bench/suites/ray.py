@@ -49,269 +49,22 @@ Measured:
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import os
-import re
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-from torch.utils.data import Dataset
-
 from .. import extras, workloads
-from ..accounting import main_cpu_s, process_tree, wait_for_exit
-from ..trial import touch
+from .ray_cluster import LocalCluster, wait_actors_gone
+from .ray_trials import BATCH, Costly, batch_seconds, new_loader, stats, steady
 
-BATCH = 64
 OVERHEAD_WORKERS = 2
 PARTS = ("overhead", "receive", "scaling", "mixed")
-CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 SCALING_ACTOR_CPUS = 0.5
-NODE_OBJECT_STORE = 1 << 30  # bytes per node: far above the batches in flight (16 actors x 2 x 0.8 MB)
-
-
-# --- the datasets ---------------------------------------------------------------------------------------------------
-
-
-class Costly(Dataset):
-    """A map-style dataset of pre-made uint8 tensors, each item costing ``cost_s`` first.
-
-    ``how="sleep"`` sleeps (work done elsewhere: no core of this machine is used); ``"spin"`` spins until its
-    thread has used ``cost_s`` of CPU time (CPU-bound work: workers that share a core slow each other down, as
-    real decoding does, where a spin on the wall clock would not). Pickled as its spec, so a Ray actor makes
-    the pool itself (once per process, ``workloads.make_pool``) instead of receiving it through the object store:
-    the transport pool is 400 MB.
-
-    Args:
-        length: Items the dataset reports.
-        shape: Shape of every item.
-        pool_items: Distinct pre-made items; item ``i`` is ``pool[i % pool_items]``.
-        cost_s: Seconds of sleep or CPU per item.
-        how: ``"sleep"`` or ``"spin"``.
-    """
-
-    def __init__(self, length: int, shape: tuple[int, ...], pool_items: int, cost_s: float = 0.0,
-                 how: str = "sleep"):  # fmt: skip
-        if how not in ("sleep", "spin"):
-            raise ValueError(f"how must be 'sleep' or 'spin', got {how!r}")
-        self.spec = (length, tuple(shape), pool_items, cost_s, how)
-        self.length, self.cost_s, self.how = length, cost_s, how
-        self.pool = workloads.make_pool(tuple(shape), "uint8", pool_items)
-
-    def __reduce__(self):
-        return type(self), self.spec
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        if self.cost_s > 0:
-            if self.how == "sleep":
-                time.sleep(self.cost_s)
-            else:
-                end = time.thread_time() + self.cost_s
-                while time.thread_time() < end:
-                    pass
-        return self.pool[index % len(self.pool)]
-
-
-def batch_seconds(ds: Costly, batches: int = 3) -> float:
-    """Median seconds to fetch and collate one batch of ``ds`` in this process: the t_batch of the ideal."""
-    collate = torch.utils.data.default_collate
-    times = []
-    for b in range(batches):
-        t0 = time.perf_counter()
-        collate([ds[b * BATCH + i] for i in range(BATCH)])
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-# --- the cluster ----------------------------------------------------------------------------------------------------
-
-
-class LocalCluster:
-    """A fake Ray cluster on this machine, connected: a head with no CPUs (the driver's node) and CPU nodes.
-
-    Args:
-        nodes: Worker nodes.
-        node_cpus: CPUs each declares (may exceed the machine's cores).
-    """
-
-    def __init__(self, nodes: int, node_cpus: float):
-        self.nodes, self.node_cpus = nodes, node_cpus
-        self.cluster = None
-        self.start_s = None
-        self._env_was: str | None = None
-        self._procs_before: set[int] = set()
-        self._shm_before: set[str] = set()
-        self._ours: set[int] = set()
-
-    def __enter__(self) -> LocalCluster:
-        # Every node then binds 127.0.0.1, not the machine's outward address. Ray reads the variable once, when
-        # ray._private.ray_constants is first imported: it must be set before `import ray` (the nodes' and
-        # actors' own processes import it afresh, from this environment), and where this process imported Ray
-        # already, its constant is set too (services.get_node_ip_address reads it at each call).
-        self._env_was = os.environ.get(CLUSTER_ENV)
-        os.environ[CLUSTER_ENV] = "0"
-        import ray
-        from ray._private import ray_constants
-        from ray.cluster_utils import Cluster
-
-        ray_constants.ENABLE_RAY_CLUSTER = False
-        if ray.is_initialized():
-            self._restore_env()
-            raise RuntimeError("the ray suite starts a local cluster of its own: run it in a process where ray is "
-                               "not initialised (fastfeed bench ray, or benchmarks/ray.py)")  # fmt: skip
-        self._procs_before = set(process_tree())
-        self._shm_before = set(os.listdir("/dev/shm"))
-        t0 = time.perf_counter()
-        try:
-            self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0,
-                                                                         "object_store_memory": NODE_OBJECT_STORE})
-            for _ in range(self.nodes):
-                self.cluster.add_node(num_cpus=self.node_cpus, object_store_memory=NODE_OBJECT_STORE)
-            ray.init(address=self.cluster.address, logging_level="warning")
-            self.cluster.wait_for_nodes()
-        except BaseException:
-            self._stop()
-            raise
-        self.start_s = time.perf_counter() - t0
-        global _RUNNING
-        _RUNNING = self
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop()
-
-    def _stop(self) -> None:
-        import ray
-
-        global _RUNNING
-        _RUNNING = None
-
-        if ray.is_initialized():
-            ray.shutdown()
-        if self.cluster is not None:
-            self.watch()
-            self.cluster.shutdown()
-            self.cluster = None
-        self._restore_env()
-
-    def _restore_env(self) -> None:
-        if self._env_was is None:
-            os.environ.pop(CLUSTER_ENV, None)
-        else:
-            os.environ[CLUSTER_ENV] = self._env_was
-
-    def describe(self) -> dict:
-        """The cluster's nodes (as ``ray.nodes()`` gives them) and its CPUs, while it runs."""
-        import ray
-
-        nodes = [{"node_id": n["NodeID"], "address": n["NodeManagerAddress"],
-                  "cpus": float(n.get("Resources", {}).get("CPU", 0.0)), "alive": bool(n["Alive"])}
-                 for n in ray.nodes()]  # fmt: skip
-        return {"nodes": nodes, "cpus": sum(n["cpus"] for n in nodes if n["alive"]),
-                "start_s": self.start_s, "machine_cores": os.cpu_count()}
-
-    def watch(self) -> None:
-        """Note the processes of this run now (this one, the nodes, their actors), whose /dev/shm entries count."""
-        self._ours.update(process_tree())
-
-    def left_behind(self) -> dict:
-        """After the cluster is shut down: the processes it (or a loader) left alive, and the /dev/shm entries made
-        by a process of this run (one named for its pid, as fastfeed's and torch's are) still there.
-
-        Other programs on the machine make and remove their own entries meanwhile: those are not counted.
-        """
-        procs = wait_for_exit(set(process_tree()) - self._procs_before, timeout=10.0)
-        new = set(os.listdir("/dev/shm")) - self._shm_before
-        return {"procs": procs, "shm": sorted(n for n in new if _owner(n) in self._ours)}
-
-
-def _owner(name: str) -> int | None:
-    """The pid a /dev/shm entry is named for (``fastfeed-<pid>-...``, ``torch_<pid>_...``), else None."""
-    m = re.match(r"(?:fastfeed|torch)[-_](\d+)[-_]", name)
-    return int(m.group(1)) if m else None
-
-
-_RUNNING: LocalCluster | None = None  # the cluster started, whose processes each trial notes
-
-
-def alive_actors() -> int | None:
-    """Actors alive in the cluster now (this suite's cluster runs only the loaders' actors); None if Ray cannot say.
-
-    From the GCS's actor table (``ray.util.state`` needs the dashboard, which the suite's cluster does not run).
-    """
-    try:
-        from ray._private import state
-    except ImportError:
-        return None
-    try:
-        table = state.actors()
-    except Exception:  # a Ray whose private table moved: the count is unknown, not zero
-        return None
-    return sum(1 for a in table.values() if a.get("State") == "ALIVE")
-
-
-def wait_actors_gone(timeout: float = 10.0) -> int | None:
-    """Wait until no actor is alive; return how many still are (None: Ray cannot say)."""
-    deadline = time.monotonic() + timeout
-    while (left := alive_actors()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return left
-
-
-# --- one trial ------------------------------------------------------------------------------------------------------
-
-
-def steady(make_loader: Callable[[], Any], warmup: int, batches: int, windows: int = 1) -> dict:
-    """One fresh loader: its first batch, ``warmup - 1`` more untimed, then ``windows`` timed runs of ``batches``.
-
-    Each window: seconds, batches/s, bytes/s and this process's CPU seconds per batch. When the loader is gone,
-    the actors still alive are counted (after waiting for them to end).
-    """
-    loader = it = None
-    gc.collect()
-    try:
-        t0 = time.perf_counter()
-        loader = make_loader()
-        it = iter(loader)
-        touch(next(it))
-        ttfb = time.perf_counter() - t0
-        if _RUNNING is not None:
-            _RUNNING.watch()  # the actors live only as long as their loader
-        for _ in range(max(0, warmup - 1)):
-            touch(next(it))
-        out = []
-        for _ in range(windows):
-            cpu0, w0 = main_cpu_s(), time.perf_counter()
-            nbytes = sum(touch(next(it)) for _ in range(batches))
-            seconds, cpu = time.perf_counter() - w0, main_cpu_s() - cpu0
-            out.append(dict(seconds=seconds, batches_per_s=batches / seconds, bytes_per_s=nbytes / seconds,
-                            main_cpu_s_per_batch=cpu / batches, batch_bytes=nbytes / batches))  # fmt: skip
-    finally:
-        del it, loader
-        gc.collect()
-    return dict(ttfb_s=ttfb, windows=out, actors_left=wait_actors_gone())
-
-
-def _loader(ds: Dataset, worker_type, num_workers, ray_options: dict | None = None, **kwargs):
-    import fastfeed
-
-    if ray_options is not None:
-        kwargs["ray_options"] = ray_options
-    return fastfeed.DataLoader(ds, batch_size=BATCH, num_workers=num_workers, worker_type=worker_type, **kwargs)
-
-
-def stats(values: list[float]) -> dict:
-    """Median, min and max of ``values``."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
 
 # --- the parts ------------------------------------------------------------------------------------------------------
 
@@ -320,8 +73,8 @@ def overhead_part(args, say: Callable = print) -> dict:
     """9.6 MB batches through 2 Ray actors against 2 worker processes, interleaved rounds."""
     n = args.warmup + args.batches
     ds = Costly(n * BATCH, workloads.IMAGE_SHAPE, args.pool_items)
-    sides = {"process": lambda: _loader(ds, "process", OVERHEAD_WORKERS),
-             "ray": lambda: _loader(ds, "ray", OVERHEAD_WORKERS)}  # fmt: skip
+    sides = {"process": lambda: new_loader(ds, "process", OVERHEAD_WORKERS),
+             "ray": lambda: new_loader(ds, "ray", OVERHEAD_WORKERS)}  # fmt: skip
     runs: dict[str, list[dict]] = {k: [] for k in sides}
     for r in range(args.rounds):
         for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
@@ -352,7 +105,7 @@ def receive_part(args, say: Callable = print) -> dict:
     batches = args.receive_batches
     warmup = 2 * n_actors
     ds = _scale_ds(args, (warmup + batches * args.windows) * BATCH, 0.0)
-    rec = steady(lambda: _loader(ds, "ray", n_actors, ray_options={"num_cpus": SCALING_ACTOR_CPUS}), warmup,
+    rec = steady(lambda: new_loader(ds, "ray", n_actors, ray_options={"num_cpus": SCALING_ACTOR_CPUS}), warmup,
                  batches, args.windows)  # fmt: skip
     wins = rec.pop("windows")
     for w in wins:
@@ -379,7 +132,7 @@ def scaling_part(args, receive: dict | None, say: Callable = print) -> dict:
         per_window = max(4, math.ceil(args.window_s * capped))
         warmup = 2 * n + 2
         ds = _scale_ds(args, (warmup + per_window * args.windows) * BATCH, cost)
-        rec = steady(lambda: _loader(ds, "ray", n, ray_options={"num_cpus": SCALING_ACTOR_CPUS}), warmup,
+        rec = steady(lambda: new_loader(ds, "ray", n, ray_options={"num_cpus": SCALING_ACTOR_CPUS}), warmup,
                      per_window, args.windows)  # fmt: skip
         wins = rec.pop("windows")
         row = dict(rec, actors=n, ideal_batches_per_s=ideal, capped_ideal_batches_per_s=capped,
@@ -403,10 +156,10 @@ def mixed_part(args, say: Callable = print) -> dict:
     n = args.warmup + args.mixed_batches
     ds = Costly(n * BATCH, shape, pool_items=BATCH, cost_s=cost, how="spin")
     t_batch = batch_seconds(Costly(3 * BATCH, shape, pool_items=BATCH, cost_s=cost, how="spin"))
-    sides: dict[str, Callable[[], Any]] = {f"process {local}": lambda: _loader(ds, "process", local)}
+    sides: dict[str, Callable[[], Any]] = {f"process {local}": lambda: new_loader(ds, "process", local)}
     for r in args.mixed_remote:
-        sides[f"process {local} + ray {r}"] = lambda r=r: _loader(ds, ("process", "ray"), (local, r))
-        sides[f"process {local + r}"] = lambda r=r: _loader(ds, "process", local + r)
+        sides[f"process {local} + ray {r}"] = lambda r=r: new_loader(ds, ("process", "ray"), (local, r))
+        sides[f"process {local + r}"] = lambda r=r: new_loader(ds, "process", local + r)
     names = list(sides)
     runs: dict[str, list[dict]] = {k: [] for k in names}
     for rnd in range(args.rounds):

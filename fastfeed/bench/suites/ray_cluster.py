@@ -1,0 +1,155 @@
+"""The ray workload's cluster: a fake Ray cluster on this machine, started and shut down by the suite, and the
+count of what it (or a loader) left behind.
+
+``fastfeed bench ray`` (fastfeed/bench/suites/ray.py) runs every part inside :class:`LocalCluster`; each trial
+(fastfeed/bench/suites/ray_trials.py) notes the cluster's processes while its actors live, so that their /dev/shm
+entries count as the run's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+from ..accounting import process_tree, wait_for_exit
+
+CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+NODE_OBJECT_STORE = 1 << 30  # bytes per node: far above the batches in flight (16 actors x 2 x 0.8 MB)
+
+
+class LocalCluster:
+    """A fake Ray cluster on this machine, connected: a head with no CPUs (the driver's node) and CPU nodes.
+
+    Args:
+        nodes: Worker nodes.
+        node_cpus: CPUs each declares (may exceed the machine's cores).
+    """
+
+    def __init__(self, nodes: int, node_cpus: float):
+        self.nodes, self.node_cpus = nodes, node_cpus
+        self.cluster = None
+        self.start_s = None
+        self._env_was: str | None = None
+        self._procs_before: set[int] = set()
+        self._shm_before: set[str] = set()
+        self._ours: set[int] = set()
+
+    def __enter__(self) -> LocalCluster:
+        # Every node then binds 127.0.0.1, not the machine's outward address. Ray reads the variable once, when
+        # ray._private.ray_constants is first imported: it must be set before `import ray` (the nodes' and
+        # actors' own processes import it afresh, from this environment), and where this process imported Ray
+        # already, its constant is set too (services.get_node_ip_address reads it at each call).
+        self._env_was = os.environ.get(CLUSTER_ENV)
+        os.environ[CLUSTER_ENV] = "0"
+        import ray
+        from ray._private import ray_constants
+        from ray.cluster_utils import Cluster
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
+        if ray.is_initialized():
+            self._restore_env()
+            raise RuntimeError("the ray suite starts a local cluster of its own: run it in a process where ray is "
+                               "not initialised (fastfeed bench ray, or benchmarks/ray.py)")  # fmt: skip
+        self._procs_before = set(process_tree())
+        self._shm_before = set(os.listdir("/dev/shm"))
+        t0 = time.perf_counter()
+        try:
+            self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0,
+                                                                         "object_store_memory": NODE_OBJECT_STORE})
+            for _ in range(self.nodes):
+                self.cluster.add_node(num_cpus=self.node_cpus, object_store_memory=NODE_OBJECT_STORE)
+            ray.init(address=self.cluster.address, logging_level="warning")
+            self.cluster.wait_for_nodes()
+        except BaseException:
+            self._stop()
+            raise
+        self.start_s = time.perf_counter() - t0
+        global _RUNNING
+        _RUNNING = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        import ray
+
+        global _RUNNING
+        _RUNNING = None
+
+        if ray.is_initialized():
+            ray.shutdown()
+        if self.cluster is not None:
+            self.watch()
+            self.cluster.shutdown()
+            self.cluster = None
+        self._restore_env()
+
+    def _restore_env(self) -> None:
+        if self._env_was is None:
+            os.environ.pop(CLUSTER_ENV, None)
+        else:
+            os.environ[CLUSTER_ENV] = self._env_was
+
+    def describe(self) -> dict:
+        """The cluster's nodes (as ``ray.nodes()`` gives them) and its CPUs, while it runs."""
+        import ray
+
+        nodes = [{"node_id": n["NodeID"], "address": n["NodeManagerAddress"],
+                  "cpus": float(n.get("Resources", {}).get("CPU", 0.0)), "alive": bool(n["Alive"])}
+                 for n in ray.nodes()]  # fmt: skip
+        return {"nodes": nodes, "cpus": sum(n["cpus"] for n in nodes if n["alive"]),
+                "start_s": self.start_s, "machine_cores": os.cpu_count()}
+
+    def watch(self) -> None:
+        """Note the processes of this run now (this one, the nodes, their actors), whose /dev/shm entries count."""
+        self._ours.update(process_tree())
+
+    def left_behind(self) -> dict:
+        """After the cluster is shut down: the processes it (or a loader) left alive, and the /dev/shm entries made
+        by a process of this run (one named for its pid, as fastfeed's and torch's are) still there.
+
+        Other programs on the machine make and remove their own entries meanwhile: those are not counted.
+        """
+        procs = wait_for_exit(set(process_tree()) - self._procs_before, timeout=10.0)
+        new = set(os.listdir("/dev/shm")) - self._shm_before
+        return {"procs": procs, "shm": sorted(n for n in new if _owner(n) in self._ours)}
+
+
+def _owner(name: str) -> int | None:
+    """The pid a /dev/shm entry is named for (``fastfeed-<pid>-...``, ``torch_<pid>_...``), else None."""
+    m = re.match(r"(?:fastfeed|torch)[-_](\d+)[-_]", name)
+    return int(m.group(1)) if m else None
+
+
+_RUNNING: LocalCluster | None = None  # the cluster started, whose processes each trial notes (``running()``)
+
+
+def alive_actors() -> int | None:
+    """Actors alive in the cluster now (this suite's cluster runs only the loaders' actors); None if Ray cannot say.
+
+    From the GCS's actor table (``ray.util.state`` needs the dashboard, which the suite's cluster does not run).
+    """
+    try:
+        from ray._private import state
+    except ImportError:
+        return None
+    try:
+        table = state.actors()
+    except Exception:  # a Ray whose private table moved: the count is unknown, not zero
+        return None
+    return sum(1 for a in table.values() if a.get("State") == "ALIVE")
+
+
+def wait_actors_gone(timeout: float = 10.0) -> int | None:
+    """Wait until no actor is alive; return how many still are (None: Ray cannot say)."""
+    deadline = time.monotonic() + timeout
+    while (left := alive_actors()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def running() -> LocalCluster | None:
+    """The cluster started and not yet shut down, whose processes each trial notes; None outside one."""
+    return _RUNNING
