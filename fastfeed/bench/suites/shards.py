@@ -34,15 +34,9 @@ Run: .venv/bin/python benchmarks/shards.py [--rounds 5] [--samples 4096] [--quic
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
-import functools
 import gc
-import inspect
-import math
-import multiprocessing
 import os
-import random
 import shutil
 import statistics
 import tempfile
@@ -50,375 +44,17 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
-import torch
-
 from .. import extras, peers
-from ..accounting import process_tree, wait_for_exit
-from ..trial import drop_page_cache, touch
 
-BATCH, WORKERS = 32, 2
-SAMPLE_BYTES = 100_000  # decode pads or cuts every jpg to this many bytes, so batches stack
-JPEG_HEAD = bytes.fromhex("ffd8ffe000104a46494600010100000100010000")  # SOI and a JFIF APP0 segment
-JPEG_TAIL = b"\xff\xd9"  # EOI
-BUCKET, MDS_PREFIX, TAR_DIR = "bench", "mds", "tar"
+# The suite's parts, each a module beside this one: shards_data.py (the samples, the tar shards, the HTTP server),
+# shards_trials.py (each loader built over a storage, one timed trial), shards_cache.py (the cache part, its LRU
+# and Belady simulations).
+from .shards_cache import cache_part, shard_uses, simulate  # noqa: F401  (re-exported: shards.simulate, as before)
+from .shards_data import BUCKET, MDS_PREFIX, TAR_DIR, Samples, Served, write_tar
+from .shards_trials import BATCH, SHM_KEEP, WORKERS, Sides, epoch_trial, resume_trial
+
 LOADERS = ("fastfeed", "webdataset", "mosaic")
 PARTS = ("http", "local", "resume", "cache")
-
-
-# --- the data ------------------------------------------------------------------------------------------------------
-
-
-def jpeg_like(index: int, size: int, seed: int = 0) -> bytes:
-    """Sample ``index``'s bytes: a JPEG header, seeded random bytes, an end marker; ``size`` +- 10% in all."""
-    rng = random.Random(seed * 1_000_003 + index)
-    n = round(size * rng.uniform(0.9, 1.1))
-    return JPEG_HEAD + rng.randbytes(n - len(JPEG_HEAD) - len(JPEG_TAIL)) + JPEG_TAIL
-
-
-class Samples(torch.utils.data.Dataset):
-    """The bench's samples as a map-style dataset of ``{"jpg": bytes, "cls": int}`` (what write_shards takes)."""
-
-    def __init__(self, n: int, size: int, seed: int = 0):
-        self.n, self.size, self.seed = n, size, seed
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict:
-        return {"jpg": jpeg_like(i, self.size, self.seed), "cls": i}
-
-
-def decode(sample: dict, nbytes: int = SAMPLE_BYTES) -> tuple[torch.Tensor, int]:
-    """Every loader's decode: the jpg bytes padded or cut to ``nbytes`` (a uint8 tensor), and the cls int."""
-    data = sample["jpg"]
-    out = np.zeros(nbytes, np.uint8)
-    n = min(len(data), nbytes)
-    out[:n] = np.frombuffer(data, np.uint8, count=n)
-    return torch.from_numpy(out), int(sample["cls"])
-
-
-def write_tar(samples: Samples, dest: Path, per_shard: int) -> tuple[list[Path], np.ndarray]:
-    """The samples as tar shards in ``dest`` with their index (``fastfeed.io.write_shards``, keys ``%09d``); the
-    shard paths and each shard's first sample."""
-    from fastfeed.io import ShardIndex, write_shards
-
-    dest.mkdir(parents=True, exist_ok=True)
-    # A shard ends before the sample that would take it past shard_bytes: ~per_shard samples, each its two members'
-    # headers (512 bytes each) and the data's padding to 512.
-    write_shards(samples, str(dest), shard_bytes=per_shard * (samples.size + 1536), num_workers=0, progress=False)
-    index = ShardIndex.load(str(dest / "fastfeed-index.json"))
-    return sorted(dest.glob("*.tar")), np.asarray(index.starts[:-1])
-
-
-# --- the server ----------------------------------------------------------------------------------------------------
-
-
-def _serve(root: str, latency: float, jitter: float, conn) -> None:
-    from ..http import FileServer
-
-    class Counting(FileServer):
-        """Counts the bytes of GET bodies sent, by the first directory of the path (tar/, bench/)."""
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.sent: collections.Counter = collections.Counter()
-
-        async def _serve_file(self, request, relpath, truncate):
-            response = await super()._serve_file(request, relpath, truncate)
-            if relpath.startswith(BUCKET + "/"):
-                # Mosaic downloads index.json in the main process and its forked workers inherit that boto3
-                # client, keep-alive socket and all: two workers then share one socket, and one reads the other's
-                # answer (a shard file of wrong bytes: Mosaic's IndexError "not present in the shard") or waits for
-                # boto3's 60 s read timeout. Closing each S3 answer's connection costs a connect on 127.0.0.1.
-                response.force_close()
-            if request.method == "GET" and response.status in (200, 206):
-                self.sent[relpath.split("/", 1)[0]] += int(response.headers.get("Content-Length", 0))
-            return response
-
-    with Counting(root, latency=latency, jitter=jitter) as server:
-        conn.send(server.url)
-        while conn.recv() == "bytes":
-            conn.send(dict(server.sent))
-
-
-class Served:
-    """The file server in a process of its own (its threads never compete for the loaders' GIL), and its counts."""
-
-    def __init__(self, root: Path, latency: float, jitter: float):
-        self._conn, theirs = multiprocessing.Pipe()
-        self._proc = multiprocessing.get_context("fork").Process(target=_serve, args=(str(root), latency, jitter,
-                                                                                       theirs))  # fmt: skip
-        self._proc.start()
-        self.url = self._conn.recv()
-
-    def sent(self, prefix: str) -> int:
-        """Bytes of GET bodies sent so far under ``prefix``."""
-        self._conn.send("bytes")
-        return self._conn.recv().get(prefix, 0)
-
-    def close(self) -> None:
-        self._conn.send("stop")
-        self._proc.join(10)
-
-
-# --- one trial ------------------------------------------------------------------------------------------------------
-
-
-def _ids(batch) -> list[int]:
-    touch(batch)
-    return batch[1].tolist()
-
-
-# Mosaic's /dev/shm segments when the run began: those of another program are never removed.
-_SHM_KEEP: set[str] = set()
-
-
-@contextlib.contextmanager
-def _trial(loader_name: str, sides: Sides):
-    """Whatever a trial leaves is gone before the next: its workers (counted if any outlive it), Mosaic's /dev/shm.
-
-    The trial must hold no reference to its loader or dataset when it ends (a Mosaic dataset still alive would have
-    its segments removed under it, and its later ``__del__`` would remove the next one's).
-    """
-    before = set(process_tree())
-    record: dict = {}
-    try:
-        yield record
-    finally:
-        gc.collect()
-        record["leftover_procs"] = wait_for_exit(set(process_tree()) - before)
-        if loader_name == "mosaic":
-            record["shm_removed"] = len(peers.clean_shared_memory(_SHM_KEEP))
-        sides.drop_dirs()  # each trial's cache holds up to the whole data
-
-
-class Sides:
-    """How each loader is built over one storage (``http`` or ``local``), each call a fresh dataset and loader."""
-
-    def __init__(self, data: dict, storage: str, scratch: Path, server: Served | None):
-        self.data, self.storage, self.scratch, self.server = data, storage, scratch, server
-        self.decode = functools.partial(decode, nbytes=data["sample_bytes"])
-        self._n = 0
-        self._dirs: list[Path] = []
-
-    def fresh_dir(self, name: str) -> str:
-        self._n += 1
-        path = self.scratch / f"{name}-{self._n}"
-        path.mkdir(parents=True)
-        self._dirs.append(path)
-        return str(path)
-
-    def drop_dirs(self) -> None:
-        for path in self._dirs:
-            shutil.rmtree(path, ignore_errors=True)
-        self._dirs.clear()
-
-    def tar_sources(self) -> list[str]:
-        if self.storage == "http":
-            return [f"{self.server.url}/{TAR_DIR}/{p.name}" for p in self.data["tar"]]
-        return [str(p) for p in self.data["tar"]]
-
-    def fastfeed(self, seed: int, cache_bytes: int | None = None, **kwargs):
-        import fastfeed
-        from fastfeed.io import Shards
-
-        if self.storage == "http":
-            kwargs.update(cache_dir=self.fresh_dir("fastfeed-cache"), cache_bytes=cache_bytes)
-        ds = Shards(self.tar_sources(), decode=self.decode, shuffle=True, seed=seed, **kwargs)
-        return fastfeed.DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
-
-    def webdataset(self, seed: int):
-        return peers.webdataset_loader(self.tar_sources(), self.decode, batch_size=BATCH, num_workers=WORKERS,
-                                       seed=seed)
-
-    def mosaic(self, seed: int, **kwargs):
-        if self.storage == "http":
-            remote, local = f"s3://{BUCKET}/{MDS_PREFIX}", self.fresh_dir("mosaic-cache")
-        else:
-            remote, local = None, str(self.data["mds_dir"])
-        return peers.mosaic_loader(remote, local, self.decode, batch_size=BATCH, num_workers=WORKERS, seed=seed,
-                                   **kwargs)
-
-    def before_epoch(self, name: str) -> None:
-        if self.storage == "local":
-            drop_page_cache(self.data["tar"] if name != "mosaic" else self.data["mds"])
-
-
-def epoch_trial(sides: Sides, name: str, seed: int) -> dict:
-    """One epoch of a fresh ``name`` loader: time to first batch and samples/s, both from building the dataset."""
-    with _trial(name, sides) as rec:
-        sides.before_epoch(name)
-        t0 = time.perf_counter()
-        loader = getattr(sides, name)(seed)
-        it = iter(loader)
-        ids = _ids(next(it))
-        t1 = time.perf_counter()
-        for batch in it:
-            ids += _ids(batch)
-        t2 = time.perf_counter()
-        del it, loader
-        rec.update(ttfb_s=t1 - t0, seconds=t2 - t0, samples=len(ids), unique=len(set(ids)),
-                   samples_per_s=len(ids) / (t2 - t0))  # fmt: skip
-    return rec
-
-
-def resume_trial(sides: Sides, name: str, seed: int) -> dict:
-    """A run stopped at 50% of its epoch and its state taken, then a fresh loader (and an empty cache) resumed from
-    it: both times to the first batch (the stopped run's is an epoch start), and whether the resumed run's first
-    batch is the batch the stopped run would have yielded next."""
-    with _trial(name, sides) as rec:
-        t0 = time.perf_counter()
-        loader = getattr(sides, name)(seed)
-        it = iter(loader)
-        _ids(next(it))
-        start = time.perf_counter() - t0
-        half = max(1, sides.data["samples"] // BATCH // 2)
-        for _ in range(half - 1):
-            _ids(next(it))
-        state = loader.state_dict()
-        expected = _ids(next(it))
-        del it, loader
-        gc.collect()
-        if name == "mosaic":
-            peers.clean_shared_memory(_SHM_KEEP)  # the first dataset's /dev/shm, before the second is built
-        t0 = time.perf_counter()
-        loader = getattr(sides, name)(seed)
-        loader.load_state_dict(state)
-        it = iter(loader)
-        got = _ids(next(it))
-        resume = time.perf_counter() - t0
-        del it, loader
-        rec.update(start_ttfb_s=start, resume_ttfb_s=resume, ratio=resume / start, at_batch=half,
-                   exact=sorted(got) == sorted(expected))  # fmt: skip
-    return rec
-
-
-# --- the cache ------------------------------------------------------------------------------------------------------
-
-
-def shard_uses(ids: list[int], starts: np.ndarray) -> list[int]:
-    """The shards that ``ids`` (samples in the order yielded) come from, consecutive repeats merged."""
-    shards = np.searchsorted(starts, np.asarray(ids), side="right") - 1
-    return [int(k) for i, k in enumerate(shards) if i == 0 or k != shards[i - 1]]
-
-
-def simulate(uses: list[list[int]], sizes, capacity: int, policy: str) -> list[int]:
-    """Bytes each epoch of ``uses`` downloads through a cache of whole shards of ``capacity`` bytes.
-
-    Args:
-        uses: Per epoch, the order in which shards are read (see :func:`shard_uses`).
-        sizes: Bytes of each shard.
-        capacity: The cache's bytes.
-        policy: ``"lru"`` evicts the least recently used shard; ``"farthest"`` the one whose next use is farthest
-            ahead in the whole known sequence (Belady's: the fewest downloads any cache can make on that order).
-
-    Returns:
-        Bytes downloaded in each epoch (the cache starts empty).
-    """
-    flat = [(e, k) for e, epoch in enumerate(uses) for k in epoch]
-    nxt: list[float] = [math.inf] * len(flat)
-    seen: dict[int, int] = {}
-    for i in range(len(flat) - 1, -1, -1):
-        k = flat[i][1]
-        nxt[i] = seen.get(k, math.inf)
-        seen[k] = i
-    cache: collections.OrderedDict[int, float] = collections.OrderedDict()  # shard -> its next use
-    held, out = 0, [0] * len(uses)
-    for i, (e, k) in enumerate(flat):
-        if k in cache:
-            cache.move_to_end(k)
-        else:
-            while cache and held + sizes[k] > capacity:
-                victim = next(iter(cache)) if policy == "lru" else max(cache, key=cache.__getitem__)
-                held -= sizes[victim]
-                del cache[victim]
-            out[e] += sizes[k]
-            held += sizes[k]
-        cache[k] = nxt[i]
-    return out
-
-
-def _fastfeed_epochs(sides: Sides, seed: int, cache_bytes: int, **kwargs) -> dict:
-    with _trial("fastfeed", sides) as rec:
-        loader = sides.fastfeed(seed, cache_bytes=cache_bytes, **kwargs)
-        ds = loader.dataset
-        uses, stats, served = [], [], []
-        for e in range(2):
-            ds.set_epoch(e)
-            ids: list[int] = []
-            for batch in loader:
-                ids += _ids(batch)
-            uses.append(shard_uses(ids, sides.data["starts"]))
-            stats.append(ds.cache_stats()["downloaded_bytes"])
-            served.append(sides.server.sent(TAR_DIR))
-        del loader, ds
-        rec.update(epoch2_bytes=stats[1] - stats[0], epoch2_served=served[1] - served[0], uses=uses)
-    return rec
-
-
-def cache_part(sides: Sides, loaders: list[str], seed: int = 7) -> dict:
-    """Epoch 2's downloads with the data 2x the cache, for each loader that has a cache, and LRU's."""
-    tar_sizes = [p.stat().st_size for p in sides.data["tar"]]
-    data = sum(tar_sizes)
-    cache = data // 2
-    out: dict[str, Any] = {"data_bytes": data, "cache_bytes": cache, "ideal_bytes": data - cache}
-    if "fastfeed" in loaders:
-        # Shards needs its window and what it downloads ahead in the cache at once: at most half of it here.
-        window = max(1, min(8, len(tar_sizes) // 2 // 4))
-        kwargs = dict(shuffle_window=window, predownload=window)
-        rec = _fastfeed_epochs(sides, seed, cache, **kwargs)
-        uses = rec.pop("uses")
-        out["fastfeed"] = dict(rec, policy="farthest next use", **kwargs)
-        from fastfeed.io import Shards
-
-        if "cache_policy" in inspect.signature(Shards).parameters:
-            lru = _fastfeed_epochs(sides, seed, cache, cache_policy="lru", **kwargs)
-            lru.pop("uses")
-            out["lru"] = dict(lru, how="fastfeed's cache with cache_policy='lru', the same seed")
-        else:
-            out["lru"] = dict(epoch2_bytes=simulate(uses, tar_sizes, cache, "lru")[1],
-                              how="LRU simulated on fastfeed's order of shards (whole shards, same cache bytes)")
-        out["belady"] = dict(epoch2_bytes=simulate(uses, tar_sizes, cache, "farthest")[1],
-                             how="farthest next use simulated on fastfeed's order (the least a cache of whole "
-                             "shards downloads)")
-    if "mosaic" in loaders:
-        mds = [p.stat().st_size for p in sides.data["mds"]]
-        # Mosaic's default predownload (8 batches a worker) can exceed a small cache, which then evicts shards
-        # before they are read: its workers together predownload at most half the cache here.
-        predownload = max(BATCH, len(sides.data["mds"]) // 2 * sides.data["samples"] // len(mds) // (2 * WORKERS))
-        # Its default shuffle block (262,144 samples) spans the whole of a small dataset: every worker would read
-        # samples from every shard, and a cache of half the shards would download a shard per sample or two. A
-        # block of 4 shards' samples keeps its reads to a few shards at a time, as at a real dataset's scale.
-        block = 4 * sides.data["samples"] // len(mds)
-        with _trial("mosaic", sides) as rec:
-            rec.update(data_bytes=sum(mds), cache_bytes=sum(mds) // 2, ideal_bytes=sum(mds) - sum(mds) // 2,
-                       predownload=predownload, shuffle_block_size=block,
-                       policy="cache_limit (LRU), counted by the server")
-            served = [sides.server.sent(BUCKET)]
-            try:
-                loader = sides.mosaic(seed, cache_limit=sum(mds) // 2, predownload=predownload,
-                                      shuffle_block_size=block)
-                for _ in range(2):
-                    for batch in loader:
-                        _ids(batch)
-                    served.append(sides.server.sent(BUCKET))
-                rec.update(epoch2_bytes=served[2] - served[1])
-            except Exception as e:  # Mosaic's own failure is a figure of this part, not the end of the run
-                rec.update(error=f"{type(e).__name__}: {e}"[:300], epoch2_bytes=None)
-            finally:
-                loader = None
-        out["mosaic"] = rec
-    if "webdataset" in loaders:
-        with _trial("webdataset", sides) as rec:
-            before = sides.server.sent(TAR_DIR)
-            loader = sides.webdataset(seed)
-            for batch in loader:
-                _ids(batch)
-            del loader
-            rec.update(epoch2_bytes=sides.server.sent(TAR_DIR) - before, policy="no cache: every epoch reads all")
-        out["webdataset"] = rec
-    return out
 
 
 # --- the run --------------------------------------------------------------------------------------------------------
@@ -521,8 +157,8 @@ def main(argv=None) -> dict:
     result: dict[str, Any] = {"workload": "shards", "skipped": skipped}
     if "mosaic" in loaders:
         peers.clean_shared_memory()  # what a crashed Mosaic run left would stall this one (Mosaic's advice)
-        _SHM_KEEP.clear()
-        _SHM_KEEP.update(peers.mosaic_segments())  # another program's, alive: not ours to remove
+        SHM_KEEP.clear()
+        SHM_KEEP.update(peers.mosaic_segments())  # another program's, alive: not ours to remove
     shm_before = set(os.listdir("/dev/shm"))
     with tempfile.TemporaryDirectory(prefix="fastfeed-shards-") as tmp:
         root = Path(tmp) / "served"
@@ -573,7 +209,7 @@ def main(argv=None) -> dict:
         finally:
             if "mosaic" in loaders:
                 gc.collect()
-                peers.clean_shared_memory(_SHM_KEEP)
+                peers.clean_shared_memory(SHM_KEEP)
             shutil.rmtree(scratch, ignore_errors=True)
     result["shm_left"] = sorted(set(os.listdir("/dev/shm")) - shm_before)
     say("")
