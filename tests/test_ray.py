@@ -10,6 +10,7 @@ import gc
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -70,6 +71,23 @@ def test_with_no_cluster_the_error_says_how_to_start_one():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert "ERROR worker_type='ray' runs on a running Ray cluster and found none" in out.stdout, out.stderr
     assert "ray start --head" in out.stdout
+
+
+def test_a_cluster_that_does_not_answer_is_named_at_once_not_waited_for():
+    """RAY_ADDRESS naming a port where nothing listens (a head that is gone): iterating raises within seconds,
+    naming the address and what to do, where ray.init alone retries for minutes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free once closed: nothing listens there
+    code = ("import fastfeed, torch\n"
+            "dl = fastfeed.DataLoader(torch.arange(8), batch_size=2, num_workers=1, worker_type='ray')\n"
+            "try:\n    next(iter(dl))\nexcept RuntimeError as e:\n    print('ERROR', e)\n")  # fmt: skip
+    env = dict(os.environ, RAY_ADDRESS=f"127.0.0.1:{port}")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert f"ERROR worker_type='ray': the Ray cluster at 127.0.0.1:{port} (RAY_ADDRESS=127.0.0.1:{port}) does not " \
+        "answer" in out.stdout, out.stderr[-2000:]  # fmt: skip
+    assert "ray start --head" in out.stdout and time.monotonic() - t0 < 60
 
 
 @pytest.fixture(scope="module")

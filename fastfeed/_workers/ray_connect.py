@@ -12,6 +12,9 @@ ever host an actor with given ``ray_options`` (``never_fits``), which ``ray_pool
 from __future__ import annotations
 
 import os
+import socket
+
+PROBE_S = 5.0  # a cluster's GCS that accepts no connection in this long is taken as gone
 
 INSTALL = "pip install 'fastfeed[ray]'"
 HOW_TO_START = (
@@ -38,6 +41,7 @@ def connect():
     ray = import_ray()
     if ray.is_initialized():
         return ray
+    _probe(ray)
     try:
         ray.init(address="auto", log_to_driver=True, logging_level="WARNING")
     except ConnectionError as e:
@@ -46,6 +50,30 @@ def connect():
         raise RuntimeError(f"worker_type='ray' runs on a running Ray cluster and found {found}; {HOW_TO_START}. "
                            f"({e})") from None  # fmt: skip
     return ray
+
+
+def _probe(ray) -> None:
+    """Fail at once, naming it, when the cluster ``address="auto"`` would join does not answer: Ray itself retries
+    an unreachable GCS for minutes (a cluster whose head is gone but whose address file stayed, a RAY_ADDRESS to a
+    dead port), and the loader would hang silently meanwhile."""
+    try:
+        from ray._private import services
+
+        address = services.canonicalize_bootstrap_address("auto")
+    except Exception:  # noqa: BLE001 (none found, or a Ray whose private helpers moved: ray.init says it)
+        return
+    if address is None:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_S).close()
+    except (OSError, ValueError) as e:
+        where = os.environ.get("RAY_ADDRESS")
+        source = f"RAY_ADDRESS={where}" if where else "the address `ray start` left on this machine"
+        raise RuntimeError(f"worker_type='ray': the Ray cluster at {address} ({source}) does not answer "
+                           f"({type(e).__name__}: {e}); it is gone or unreachable from here. Start it again, "
+                           f"point RAY_ADDRESS at a running one, or run `ray stop` to forget it; {HOW_TO_START}.") \
+            from None  # fmt: skip
 
 
 def cluster_summary() -> dict | None:
