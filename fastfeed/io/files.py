@@ -88,8 +88,7 @@ class Files(Dataset):
                 try:
                     self._sources = self.remote.glob(directory, pattern, self.retries)
                 except remote.RemoteError as e:
-                    raise remote.RemoteError(f"fastfeed.io.Files: listing {pattern!r} in {directory} {e}",
-                                             attempts=e.attempts, reason=e.reason, permanent=e.permanent) from e
+                    raise e.within(f"fastfeed.io.Files: listing {pattern!r} in {directory}") from e
             else:
                 found = globbing.glob(os.path.join(directory, pattern), recursive=True)
                 self._sources = sorted(p for p in found if os.path.isfile(p))
@@ -217,8 +216,7 @@ def _unreadable(error: OSError, index: int, source: str) -> OSError:
 
 
 def _gave_up(error: remote.RemoteError, index: int, source: str) -> remote.RemoteError:
-    return remote.RemoteError(f"fastfeed.io.Files: sample {index}: reading {source} {error}", attempts=error.attempts,
-                              reason=error.reason, permanent=error.permanent)  # fmt: skip
+    return error.within(f"fastfeed.io.Files: sample {index}: reading {source}")
 
 
 def _advise(path: str) -> None:

@@ -82,6 +82,10 @@ class RemoteError(OSError):
     def __str__(self) -> str:
         return self.args[0]
 
+    def within(self, context: str) -> RemoteError:
+        """The same failure, its message led by ``context`` (what was being done: "shard index URL: reading it")."""
+        return RemoteError(f"{context} {self}", attempts=self.attempts, reason=self.reason, permanent=self.permanent)
+
 
 def _gave_up(attempts: int, last: BaseException, timeout: float | None, permanent: bool = False) -> RemoteError:
     reason = describe(last, timeout)

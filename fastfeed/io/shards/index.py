@@ -266,8 +266,7 @@ class ShardIndex:
                     raise PermissionError(f"shard index {where[0]}: access denied ({remote.describe(e)}); check "
                                           "storage_options' credentials") from e  # fmt: skip
                 except remote.RemoteError as e:
-                    raise remote.RemoteError(f"shard index {where[0]}: reading it {e}", attempts=e.attempts,
-                                             reason=e.reason, permanent=e.permanent) from e  # fmt: skip
+                    raise e.within(f"shard index {where[0]}: reading it") from e
             src = where[0]
         else:
             src = os.path.abspath(src)

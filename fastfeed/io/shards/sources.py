@@ -134,8 +134,7 @@ def _resolve_url(source: str, storage_options: dict | None, retries: int, timeou
             raise PermissionError(f"shard source {source!r}: listing it was denied ({remote.describe(e)}); "
                                   "check storage_options' credentials") from e  # fmt: skip
         except remote.RemoteError as e:
-            raise remote.RemoteError(f"shard source {source!r}: listing it {e}", attempts=e.attempts,
-                                     reason=e.reason, permanent=e.permanent) from e  # fmt: skip
+            raise e.within(f"shard source {source!r}: listing it") from e
 
 
 def _list_url(source: str, fs, path: str) -> list[str]:
