@@ -365,8 +365,7 @@ class _Reader:
         n = self.index.n_samples
         window = self.epoch.window_of(position % n) if n else 0
         if position < n:  # past the end (padding) the epoch's first positions come again: keep asking
-            self.span = (int(self.epoch.window_start[window]), int(self.epoch.window_start[window + 1])) if n else \
-                (0, 0)  # fmt: skip
+            self.span = (int(self.epoch.window_start[window]), int(self.epoch.window_start[window + 1]))
         if window == self.window:
             return
         self.window = window

@@ -115,5 +115,6 @@ class Split:
     @property
     def positions_per_epoch(self) -> int:
         """Positions an epoch spans, the same on every rank: where the next epoch's positions start."""
-        return math.ceil(self.n_samples / self.global_batch) * self.global_batch if not self.pad else \
-            self.batches * self.global_batch  # fmt: skip
+        if self.pad:
+            return self.batches * self.global_batch
+        return math.ceil(self.n_samples / self.global_batch) * self.global_batch
