@@ -373,12 +373,8 @@ class ShardCache:
         try:
             return remote.retry(lambda: self._fetcher.size(url), self.retries, what=f"the size of shard {url}",
                                 timeout=self.timeout, wait=self._pause(url))  # fmt: skip
-        except FileNotFoundError as e:
-            raise ShardError(url, "not found") from e
-        except PermissionError as e:
-            raise ShardError(url, f"access denied ({remote.describe(e)}); check storage_options' credentials") from e
-        except remote.RemoteError as e:
-            raise ShardError(url, f"asking its size {e}") from e
+        except (FileNotFoundError, PermissionError, remote.RemoteError) as e:
+            raise ShardError.gave_up(url, e, "asking its size") from e
 
     def _pause(self, url: str) -> Callable[[float], None]:
         """The wait between two attempts: cut short, ending the download, once the cache closes."""
@@ -501,13 +497,8 @@ class ShardCache:
             try:
                 tmp = remote.retry(attempt, self.retries, what=f"shard {url}", final=(Cancelled, ShardError),
                                    timeout=self.timeout, wait=self._pause(url))  # fmt: skip
-            except FileNotFoundError as e:
-                raise ShardError(url, f"not found ({remote.describe(e)})") from e
-            except PermissionError as e:
-                raise ShardError(url, f"access denied ({remote.describe(e)}); check storage_options' "
-                                      "credentials") from e  # fmt: skip
-            except remote.RemoteError as e:
-                raise ShardError(url, f"download {e}") from e
+            except (FileNotFoundError, PermissionError, remote.RemoteError) as e:
+                raise ShardError.gave_up(url, e, "download") from e
             done = self._place(k, url, tmp, want_fd)
         finally:
             with self._state() as state:

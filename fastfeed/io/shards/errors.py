@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from .. import remote
+
 # How the message reads, so that one re-raised from a worker's text (torch's loader re-raises by message) keeps
 # its fields.
 _MESSAGE = re.compile(r"shard (?P<shard>\S+?)(?:, sample (?P<key>'.*?'))?: (?P<detail>.*)$", re.M)
@@ -36,6 +38,17 @@ class ShardError(OSError):
 
     def __reduce__(self):  # raised in a worker, re-raised in the main process with its fields
         return type(self), (self.shard, self.detail, self.key)
+
+    @classmethod
+    def gave_up(cls, shard: str, error: OSError, doing: str, key: str | None = None) -> ShardError:
+        """What a request for ``shard`` ends in once ``fastfeed.io.remote.retry`` stopped: missing, denied, or
+        ``doing`` ("download", "read") failed every attempt (``error`` is retry's FileNotFoundError,
+        PermissionError or RemoteError)."""
+        if isinstance(error, FileNotFoundError):
+            return cls(shard, f"not found ({remote.describe(error)})", key)
+        if isinstance(error, PermissionError):
+            return cls(shard, f"access denied ({remote.describe(error)}); check storage_options' credentials", key)
+        return cls(shard, f"{doing} {error}", key)
 
     def with_key(self, key: str) -> ShardError:
         """The same error, naming the sample whose read needed the shard."""

@@ -371,12 +371,8 @@ def scan_shard(url: str, storage_options: dict | None = None, fs_cache: dict | N
     try:
         # ShardError: the bytes arrived and are not a valid shard; reading them again would not change that.
         return remote.retry(scan, retries, what=f"shard {url}", final=(ShardError,), timeout=timeout)
-    except FileNotFoundError:
-        raise ShardError(url, "not found") from None
-    except PermissionError as e:
-        raise ShardError(url, f"access denied ({remote.describe(e)}); check storage_options' credentials") from e
-    except remote.RemoteError as e:
-        raise ShardError(url, f"read {e}", last_key[0]) from e
+    except (FileNotFoundError, PermissionError, remote.RemoteError) as e:
+        raise ShardError.gave_up(url, e, "read", last_key[0]) from e
     except ShardError:
         raise
     except OSError as e:  # a local path that is not a file (IsADirectoryError...)
