@@ -308,8 +308,9 @@ dist.destroy_process_group()
 
 
 @pytest.mark.hang_limit(240)
-def test_torchrun_ranks_end_with_rank_zeros_choice(tmp_path):
-    """Under torchrun (2 ranks, gloo), fastfeed.tune and num_workers="auto" give every rank rank 0's result."""
+def test_torchrun_ranks_end_with_the_same_choice(tmp_path):
+    """Under torchrun (2 ranks, gloo), fastfeed.tune and num_workers="auto" give every rank the same result (the
+    slowest rank's: tests/test_tune_ranks.py)."""
     script = tmp_path / "ranks.py"
     script.write_text(RANKS_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), out=str(tmp_path)))
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")

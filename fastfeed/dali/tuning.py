@@ -56,4 +56,4 @@ def tune(pipeline, output_map, *, step=None, budget_s: float = 60, max_threads: 
 
     converged = offline.drive(search, trial_of, on_trial)
     result = offline.finish(search, converged, started, budget_s, loader_kwargs.get("batch_size"))
-    return agree.same_on_all_ranks(result, agree.tag_for("tune-dali", pipeline, loader_kwargs))
+    return agree.slowest_on_all_ranks(result, agree.tag_for("tune-dali", pipeline, loader_kwargs))

@@ -5,7 +5,7 @@
 - ``offline``: ``fastfeed.tune()``, on fresh loaders;
 - ``online``: ``DataLoader(num_workers="auto")``, tuned on the first epoch the user consumes;
 - ``cache``: results keyed by dataset, loader and host, in a JSON file;
-- ``agree``: every rank ends with rank 0's result under ``torch.distributed``;
+- ``agree``: every rank ends with the slowest rank's result under ``torch.distributed``;
 - ``result``: ``TuneResult``, ``load_config``.
 """
 

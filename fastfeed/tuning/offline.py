@@ -202,8 +202,10 @@ def tune(dataset, *, step=None, budget_s: float = 60, max_workers: int | None = 
         on_trial: called with each trial and the best so far (progress bars).
         **loader_kwargs: the rest of the loader's arguments (``batch_size``, ``collate_fn``, ...).
 
-    Under an initialised ``torch.distributed``, every rank tunes, then all take rank 0's
-    result (call it on every rank, in the same order).
+    Under an initialised ``torch.distributed``, every rank tunes, then all take the result of
+    the rank whose input is slowest, judged from every rank's measurements (see
+    ``fastfeed.tuning.agree``; ``decided_by`` names it). Call it on every rank, in the same
+    order: each waits until all have measured.
     """
     DataLoader = loader_class()
     types = _check(budget_s, max_workers, tolerance, worker_types)
@@ -227,7 +229,7 @@ def tune(dataset, *, step=None, budget_s: float = 60, max_workers: int | None = 
 
     converged = drive(search, trial_of, on_trial, budget.learn)
     result = finish(search, converged, started, budget_s, loader_kwargs.get("batch_size", 1))
-    return agree.same_on_all_ranks(result, agree.tag_for("tune", dataset, loader_kwargs))
+    return agree.slowest_on_all_ranks(result, agree.tag_for("tune", dataset, loader_kwargs))
 
 
 def drive(search: Search, trial_of: Callable[[Setting, bool], Trial], on_trial=None, learn=None) -> bool:

@@ -13,6 +13,12 @@ Tuning stops when the search is done, or after about ``EPOCH_SHARE`` of the epoc
 hands the search on to the next). Then the loader settles on the choice, for the rest of the
 epoch and after; the cache and ``loader.tune_result`` get it, and one line goes to the
 ``fastfeed`` logger.
+
+Under ``torch.distributed`` each rank settles on its own choice first and publishes it
+(``agree``); every ``POLL_S`` it looks whether all ranks' choices are in, and then settles
+on the slowest rank's (the same on every rank), switching to it mid-epoch if it differs (the
+gate closes, as at a trial's end). The loader keeps its tuner, epoch after epoch, until that
+has happened.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ EPOCH_SHARE = 0.1  # of an epoch's batches spent tuning
 BUDGET_S = 60.0  # tuning time in all
 TRIALS = 6  # what a search usually takes: each trial gets its share of the epoch's share
 WINDOW_S = BUDGET_S / TRIALS / (MIN_WINDOWS + 1)  # the longest window, so trials fit in the time budget
-POLL_S = 0.5  # how often a rank that settled first looks for rank 0's choice
+POLL_S = 0.5  # how often a rank that settled looks whether every rank's choice is in
 
 
 class _Gate:
@@ -84,7 +90,8 @@ class OnlineTuner:
     Args:
         search: the search over the allowed settings.
         budget: ``offline.Budget``, told what each trial measured.
-        settle: called with the ``TuneResult`` once chosen (and again if rank 0's differs).
+        settle: called with the ``TuneResult`` once chosen, and again with the slowest rank's once
+            every rank's is in (``agree``; at once without torch.distributed).
         tag: the name of this tuning in the process group's store (``agree``).
     """
 
@@ -96,10 +103,16 @@ class OnlineTuner:
         self.settle = settle
         self.tag = tag
         self.spent_s = 0.0
-        self.result: TuneResult | None = None  # this rank's choice, once made
-        self.agreed = False  # every rank has rank 0's choice
+        self.own: TuneResult | None = None  # this rank's choice, once made, as published
+        self.result: TuneResult | None = None  # what the loader is settled on: self.own, then the slowest rank's
+        self.agreed = False  # every rank's choice is in, and self.result is the slowest rank's
 
     def finish(self, converged: bool, elapsed_s: float) -> TuneResult:
+        """This rank's choice, published for the other ranks and settled on; returns what was settled on.
+
+        That is the slowest rank's result instead when every rank's is in already (this rank
+        was the last), and this rank's own when it is alone.
+        """
         chosen = self.search.choice()
         trial = self.search.trials[chosen]
         self.result = TuneResult(
@@ -109,23 +122,27 @@ class OnlineTuner:
             trials=list(self.search.order), elapsed_s=elapsed_s, converged=converged and self.search.done,
             batch_size=self.batch_size,
         )  # fmt: skip
-        if agree.is_leader():
-            agree.publish(self.result, self.tag)
-            self.agreed = True
+        self.own = self.result
+        agree.publish(self.result, self.tag)
+        agreed = agree.poll(self.tag, self.own)  # this rank may be the last one in (or alone)
+        if agreed is not None:
+            self.result, self.agreed = agreed, True
         self.settle(self.result)
         return self.result
 
-    def check_leader(self) -> TuneResult | None:
-        """Rank 0's result, once published, when it differs from ours (then it is settled on)."""
-        theirs = agree.poll(self.tag)
+    def check_ranks(self) -> bool:
+        """Once every rank's choice is in, settle on the slowest rank's; True when its setting differs from ours.
+
+        Before that, nothing happens (False). The slowest rank's result is settled on even at
+        our own setting: ``loader.tune_result`` and the cache then say which rank decided.
+        """
+        theirs = agree.poll(self.tag, self.own)
         if theirs is None:
-            return None
-        self.agreed = True
-        if theirs.setting == self.result.setting:
-            return None
-        self.result = theirs
+            return False
+        changed = theirs.setting != self.result.setting
+        self.result, self.agreed = theirs, True
         self.settle(theirs)
-        return theirs
+        return changed
 
 
 class TuningIter:
@@ -257,7 +274,8 @@ class TuningIter:
         self._run_began = time.monotonic()
 
     def _progress(self) -> None:
-        """Before each batch: close the trial's window, and its gate once it has them all."""
+        """Before each batch: close the trial's window, and its gate once it has them all; once this rank has
+        settled, look every ``POLL_S`` whether every rank's choice is in (and close the gate to switch)."""
         run = self._run
         if run is not None and self._gate.open and run.update(self._stats, self._tuner.tolerance):
             self._gate.open = False
@@ -271,8 +289,8 @@ class TuningIter:
             now = time.monotonic()
             if now >= self._next_poll:
                 self._next_poll = now + POLL_S
-                if self._tuner.check_leader() is not None:
-                    self._gate.open = False  # switch to rank 0's choice
+                if self._tuner.check_ranks():
+                    self._gate.open = False  # switch to the slowest rank's choice
 
     def _end_trial(self) -> None:
         run, self._run = self._run, None

@@ -108,6 +108,8 @@ class TuneResult:
         batch_size: samples per batch (None when the loader does not batch).
         remote: Ray actors beside the local workers (``fastfeed.tune(remote=...)``); ``loader_kwargs()`` then has
             ``worker_type=("process", "ray"), num_workers=(local, remote)``.
+        decided_by: under ``torch.distributed``, the rank whose measurements (``trials``) decided: the slowest
+            (``fastfeed.tuning.agree``); None for a tuning on one process, and in results saved before it existed.
     """
 
     num_workers: int
@@ -122,6 +124,7 @@ class TuneResult:
     converged: bool
     batch_size: int | None = None
     remote: int = 0
+    decided_by: int | None = None
 
     @property
     def setting(self) -> Setting:
@@ -152,6 +155,7 @@ class TuneResult:
             + (f" ({self.samples_per_s:,.0f} samples/s)" if self.samples_per_s else "")
             + f", stall {self.stall_fraction:.1%}"
             + ("" if self.input_bound else ", not input-bound")
+            + ("" if self.decided_by is None else f", decided by rank {self.decided_by}")
             + f"  [{'converged' if self.converged else 'NOT converged (budget)'}, {len(self.trials)} trials,"
             f" {self.elapsed_s:.1f} s]"
         )
