@@ -1,12 +1,15 @@
 """The doctor: measure why the GPU idles, name the bottleneck with numbers, and check its own advice.
 
 ``fastfeed doctor SCRIPT`` runs a training script under a watch (see ``fastfeed.doctor.cli``);
-``with fastfeed.doctor.watch() as report:`` watches a loop in your own code (see ``fastfeed.doctor.watch``).
+``with fastfeed.doctor.watch() as report:`` watches a loop in your own code (see ``fastfeed.doctor.watch``);
+``fastfeed doctor --nproc-per-node N SCRIPT`` (or ``torchrun ... -m fastfeed doctor SCRIPT``) watches every rank of
+a job and reports on the job (``fastfeed.doctor.jobreport``).
 """
 
 from .hooks import StopWatch
+from .jobreport import JobReport
 from .report import Report
 from .verdict import Verdict, diagnose
 from .watch import Watch, watch
 
-__all__ = ["Report", "StopWatch", "Verdict", "Watch", "diagnose", "watch"]
+__all__ = ["JobReport", "Report", "StopWatch", "Verdict", "Watch", "diagnose", "watch"]

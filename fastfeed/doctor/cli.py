@@ -4,15 +4,20 @@
 
 Runs the script (``python SCRIPT ARGS`` through ``runpy``, in this process) for ``--steps`` batches, then the
 what-if runs, then prints the verdict. Works on scripts that use torch's own DataLoader as well as fastfeed's.
+
+A job of several ranks: ``fastfeed doctor --nproc-per-node N [--nnodes M --node-rank R --rdzv-endpoint H:P]
+SCRIPT ARGS`` launches it as torchrun does (``launch``), or ``torchrun ... -m fastfeed doctor SCRIPT ARGS`` runs
+the doctor on every rank (``jobrun``); either way rank 0 reports on the whole job (``jobreport``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from . import script, whatif
+from . import jobstore, script, whatif
 
 DEMO = "fastfeed.doctor.demo"
 
@@ -82,6 +87,13 @@ def add_parser(sub) -> None:
     p.add_argument("--no-whatif", dest="whatif", action="store_false", help="measure only; no what-if runs")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of the text")
     p.add_argument("-m", dest="module", action="store_true", help="SCRIPT is a module name, as python -m")
+    job = p.add_argument_group("a job of several ranks, launched through torch.distributed.run (torchrun's options)")
+    job.add_argument("--nproc-per-node", type=int, help="ranks per node: launch the script as a job and report on it")
+    job.add_argument("--nnodes", type=int, default=1, help="nodes (one fastfeed doctor per node, each with its "
+                     "--node-rank; default 1)")
+    job.add_argument("--node-rank", type=int, default=0, help="this node's rank among the nodes (default 0)")
+    job.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0, where the ranks meet (needed with --nnodes > 1)")
+    p.add_argument("--overrides", help=argparse.SUPPRESS)  # a job's closing launch: the setting, as JSON
     p.add_argument("--demo", nargs=argparse.REMAINDER, metavar="ARGS",
                    help=f"diagnose the built-in scenario ({DEMO}; ARGS are its own, e.g. --workers 2)")
     p.add_argument("script", nargs="?", help="the training script (or module, with -m)")
@@ -101,11 +113,17 @@ def main(args) -> int:
         print("fastfeed doctor: give a script to run (fastfeed doctor train.py ARGS), -m MODULE, or --demo",
               file=sys.stderr)
         return 2
+    if args.nproc_per_node is not None or jobstore.job_env() is not None:
+        return _job(args, target, argv, module)
     try:
         report = examine(target, argv, module, args.steps, args.whatif)
     except (script.ScriptFailed, FileNotFoundError) as e:
         print(f"fastfeed doctor: {e}", file=sys.stderr)
         return 1
+    return _show(report, args)
+
+
+def _show(report, args) -> int:
     if args.out:
         paths = report.save(args.out)
         for kind, path in paths.items():
@@ -113,3 +131,42 @@ def main(args) -> int:
     d = report.to_dict()
     print(json.dumps(d, indent=2, default=str) if args.json else report.summary(d))
     return 0
+
+
+def _job(args, target: str, argv: list[str], module: bool) -> int:
+    """The job's report: as its launcher (``--nproc-per-node``), or as one of its ranks (under torchrun)."""
+    from . import jobrun, launch
+
+    try:
+        _script_check(target, module)
+        if args.nproc_per_node is not None:
+            if args.nproc_per_node < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+                print("fastfeed doctor: --nproc-per-node and --nnodes must be positive and --node-rank within "
+                      f"--nnodes (got {args.nproc_per_node}, {args.nnodes}, {args.node_rank})", file=sys.stderr)
+                return 2
+            report = launch.examine_job(args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint,
+                                        target, argv, module, args.steps, args.whatif)  # fmt: skip
+            if report is None:
+                _say(f"node {args.node_rank}'s ranks are measured; node 0 reports on the job")
+                return 0
+            return _show(report, args)
+        env = jobstore.job_env()
+        overrides = json.loads(args.overrides) if args.overrides else None
+        report = jobrun.run_rank(env, target, argv, module, args.steps, overrides)
+    except (script.ScriptFailed, FileNotFoundError, ValueError, jobstore.JobError, launch.LaunchFailed,
+            jobrun.RankFailed) as e:
+        print(f"fastfeed doctor: {e}", file=sys.stderr)
+        return 1
+    if report is None or os.environ.get(jobrun.JOB_DIR):  # another rank, or fastfeed's launcher reports
+        return 0
+    if args.whatif and report.closing_advice() is not None:
+        report.whatif.setdefault("skipped", {})["closing"] = (
+            "a second launch of the job; fastfeed doctor --nproc-per-node N SCRIPT launches the job itself and "
+            "measures the advice")  # fmt: skip
+    return _show(report, args)
+
+
+def _script_check(target: str, module: bool) -> None:
+    from .. import _script
+
+    _script.check(target, module, "fastfeed doctor")

@@ -67,6 +67,7 @@ class Evidence:
     gpu: bool = False
     distributed_s: float = 0.0
     warm_batches_per_s: float | None = None  # with each epoch's first round (a batch from every worker) left out
+    sync_s: float | None = None  # of step_s, seconds waiting for other ranks (a job's rank; None: not measured)
 
     @property
     def loop_s(self) -> float:
@@ -81,6 +82,15 @@ class Evidence:
         steady_wait = self.wait_s - self.first_wait_s
         total = steady_wait + self.step_s
         return steady_wait / total if total > 0 else 0.0
+
+    @property
+    def sync_fraction(self) -> float:
+        return (self.sync_s or 0.0) / self.loop_s if self.loop_s > 0 else 0.0
+
+    @property
+    def compute_s(self) -> float:
+        """The steps less their sync: what the loop itself spends."""
+        return self.step_s - (self.sync_s or 0.0)
 
     @property
     def batches_per_s(self) -> float:
@@ -104,6 +114,7 @@ class Evidence:
         for key in ("loader", "waits", "steps", "ends", "steady", "fetch"):
             d.pop(key)
         d.update(stall_fraction=self.stall_fraction, steady_stall_fraction=self.steady_stall_fraction,
+                 sync_fraction=None if self.sync_s is None else self.sync_fraction,
                  samples_per_s=self.samples_per_s, batches_per_s=self.batches_per_s, free_cores=self.free_cores,
                  wait_p50_s=quantile(self.waits, 0.5), wait_p95_s=quantile(self.waits, 0.95),
                  step_p50_s=quantile(self.steps, 0.5), step_p95_s=quantile(self.steps, 0.95))  # fmt: skip

@@ -29,6 +29,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from .. import replace, stats
 from ..loader import DataLoader as FastLoader
+from .blocked import Clock
 from .timeline import EpochRecord, LoaderRecord, WorkerRecord
 from .verdict import DALI_NAMES
 
@@ -46,20 +47,22 @@ class StopWatch(BaseException):
 
 
 class _Epoch:
-    __slots__ = ("rec", "iterator", "pids", "ready_known")
+    __slots__ = ("rec", "iterator", "pids", "ready_known", "blocked")
 
     def __init__(self, rec: stats.Recorder, iterator, ready_known: bool) -> None:
         self.rec = rec
         self.iterator = weakref.ref(iterator) if iterator is not None else lambda: None
         self.pids: set[int] = set()
         self.ready_known = ready_known
+        self.blocked: list[float] = []  # the consuming thread's sleep so far, at each return
 
     def record(self) -> EpochRecord:
         rec = self.rec
         workers = [WorkerRecord(list(f), list(c), list(e)) for f, c, e in zip(rec.fetch, rec.collate, rec.ends)]
         return EpochRecord(asks=list(rec.asks), returns=list(rec.returns),
                            ready=list(rec.ready) if self.ready_known else None, h2d=list(rec.h2d),
-                           workers=workers, pids=sorted(self.pids))  # fmt: skip
+                           workers=workers, pids=sorted(self.pids),
+                           blocked=self.blocked[: len(rec.asks)])  # fmt: skip
 
 
 class _Seen:
@@ -171,6 +174,7 @@ class Hooks:
         self.distributed_s = 0.0
         self.affinity: dict[int, frozenset[int]] = {}  # each worker process's allowed CPUs, read while it lived
         self._batches: dict[int, object] = {}  # the compute ceiling's cached batch, per loader
+        self._sleep = Clock()
         self._depth = threading.local()
         self._saved: list[tuple[object, str, object]] = []
 
@@ -194,6 +198,7 @@ class Hooks:
 
     def close(self) -> None:
         """Undo every patch, newest first."""
+        self._sleep.close()
         while self._saved:
             owner, name, old = self._saved.pop()
             if old is _MISSING:
@@ -268,12 +273,13 @@ class Hooks:
             seen = self.seen[id(loader)] = _Seen(len(self.seen), loader, self.made_at.get(loader, "before the watch"))
         return seen
 
-    def _counted(self, rec: stats.Recorder) -> None:
-        add, tick = rec.add, self.tick
+    def _counted(self, rec: stats.Recorder, epoch: _Epoch) -> None:
+        add, tick, slept, blocked = rec.add, self.tick, self._sleep.read, epoch.blocked.append
 
         def add_and_tick(asked: float, ready: int, returned: float) -> None:
             tick()  # past the watch's batches it raises, and the batch is neither recorded nor handed over
             add(asked, ready, returned)
+            blocked(slept())
 
         rec.add = add_and_tick
 
@@ -282,12 +288,12 @@ class Hooks:
         seen = self._seen(loader)
         rec = loader._ff_stats if isinstance(loader, FastLoader) or _is_dali(loader) else None
         if rec is not None:
-            self._counted(rec)
             seen.epochs.append(_Epoch(rec, it, ready_known=True))
+            self._counted(rec, seen.epochs[-1])
             return it
         rec = stats.Recorder(loader.num_workers, loader.prefetch_factor)
-        self._counted(rec)
         seen.epochs.append(_Epoch(rec, it, ready_known=False))
+        self._counted(rec, seen.epochs[-1])
         if isinstance(it, _BaseDataLoaderIter):
             inner = it._next_data  # torch's __next__ calls it; an instance attribute comes first
 
@@ -315,8 +321,8 @@ class Hooks:
                 device = torch.device("cuda", torch.cuda.current_device())
             batch = self._batches[id(loader)] = _detached(batch, device)
         rec = stats.Recorder(0, None)
-        self._counted(rec)
         seen.epochs.append(_Epoch(rec, None, ready_known=False))
+        self._counted(rec, seen.epochs[-1])
         try:
             n = len(loader)
         except TypeError:

@@ -3,6 +3,10 @@
 A verdict says *that* the GPU idles and why; this picture lets the user see it: the red waits line up with the
 GPU's dips, and the panels beneath show whether the CPUs, the disk or the workers were the ones behind.
 
+A job of several ranks gets one picture of them all (``job_png``): a lane per rank on one time axis, each batch's
+input wait, sync and compute side by side, so the rank that waits for its input stands out from those that wait
+for it in the step's collectives.
+
 It is drawn with ``matplotlib.figure.Figure`` on the Agg canvas, never through ``pyplot``: the doctor runs inside
 the user's training script and must leave pyplot's global figures and backend as it found them. matplotlib is
 optional (``pip install 'fastfeed[plot]'``) and imported only when a picture is asked for.
@@ -17,15 +21,23 @@ from pathlib import Path
 import numpy as np
 
 from .._mpl import agg
+from .ranks import RankRecord, RankSplit
 from .timeline import LoaderRecord, Timeline
 
 NEEDS_MATPLOTLIB = "the doctor's PNG timeline needs matplotlib: pip install 'fastfeed[plot]'"
 STALL = "tab:red"
+SYNC = "tab:orange"
+COMPUTE = "tab:blue"
 NO_DATA = "no data"
 LEGEND = {"loc": "upper left", "bbox_to_anchor": (1.005, 1), "fontsize": 8}  # right of the panel, off the data
 MAX_BATCHES_DRAWN = 2000  # more than this and each is under a pixel: draw means over time bins instead
 BINS = 600
 CLIP_RATIO = 20  # waits or steps this many times the 95th percentile go off the axis, not flatten the rest
+MAX_LANES = 16  # a job's picture draws this many ranks at most: 64 lanes would be too thin to read
+LANE_IN = 0.5  # inches of a job's picture per rank drawn
+LANE_LABEL = {"width": 48, "max_lines": 3, "placeholder": " ..."}  # a lane's label, wrapped to fit its height
+SAMPLES_IN = 2  # inches of a job's picture for its samples panel
+JOB_BASE_IN = SAMPLES_IN + 1.5  # and for that panel, the title and the time axis
 
 
 def timeline_png(timeline: Timeline, path, title: str | None = None) -> Path:
@@ -56,8 +68,141 @@ def timeline_png(timeline: Timeline, path, title: str | None = None) -> Path:
     return path
 
 
+def job_png(ranks: list[RankRecord], splits: list[RankSplit], path, title: str | None = None,
+            labels: list[str] | None = None, keep: list[int] | None = None,
+            start: float | None = None) -> Path:  # fmt: skip
+    """Draw one job's ranks into a PNG at ``path``: a lane per rank on one time axis, each batch's input wait (red),
+    sync (orange) and compute (blue), and beneath, each rank's GPU busy (CPU busy where no rank has GPU samples).
+
+    ``splits``: ``ranks.split(ranks)``, matched to ``ranks`` by rank. ``title``: a line at the top, the job's
+    verdict. ``labels``: a line per rank, in the order of ``ranks``, in place of its shares ("rank 1: input 92%
+    sync 1% compute 7%"). At most ``MAX_LANES`` ranks are drawn: those in ``keep`` (the stragglers, labelled in
+    red), then the lowest; the picture says how many were left out. ``start``: the job's start on rank 0's clock,
+    which the time axis counts from (default: the earliest rank's start). Past ``MAX_BATCHES_DRAWN`` batches a
+    lane shows, per time bin, the share of it each part took instead of each batch. Raises ImportError when
+    matplotlib is missing.
+    """
+    figure_cls, canvas_cls = _matplotlib()
+    drawn = _lanes(ranks, keep)
+    if start is None:
+        start = min((r.timeline.start + r.offset for r in ranks), default=0.0)
+    span = max((r.timeline.end + r.offset - start for r in ranks), default=0.0)
+    lanes = max(len(drawn), 1)
+    fig = figure_cls(figsize=(12, JOB_BASE_IN + LANE_IN * lanes), dpi=100, layout="constrained")
+    canvas_cls(fig)
+    try:
+        axes = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [LANE_IN * lanes, SAMPLES_IN]})
+        _ranks_panel(axes[0], ranks, {sp.rank: sp for sp in splits}, drawn, labels, start, span, keep)
+        _job_samples_panel(axes[1], ranks, drawn, start)
+        if span > 0:
+            axes[-1].set_xlim(0, span)
+        axes[-1].set_xlabel("seconds since the job started (rank 0's clock)")
+        fig.suptitle(textwrap.fill(title or "fastfeed doctor: job timeline", 110), fontsize=11)
+        path = Path(path)
+        fig.savefig(path, format="png")
+    finally:
+        fig.clear()
+    return path
+
+
 def _matplotlib():
     return agg(NEEDS_MATPLOTLIB)
+
+
+def _ranks_panel(ax, ranks: list[RankRecord], by_rank: dict, drawn: list[int], labels: list[str] | None,
+                 start: float, span: float, keep: list[int] | None) -> None:  # fmt: skip
+    """A lane per drawn rank, rank 0's on top, labelled on the left, the labels of those in ``keep`` in red; see
+    ``job_png``."""
+    if not drawn:
+        _no_data(ax, NO_DATA)
+        return
+    from matplotlib.patches import Patch  # matplotlib is there: job_png imported it
+
+    most = max((by_rank[ranks[i].rank].batches for i in drawn if ranks[i].rank in by_rank), default=0)
+    edges = np.linspace(0.0, max(span, 1e-3), BINS + 1) if most > MAX_BATCHES_DRAWN else None
+    texts = []
+    for k, i in enumerate(drawn):
+        sp = by_rank.get(ranks[i].rank)
+        if sp is not None:
+            _lane(ax, k, _parts(sp, start), edges)
+        texts.append(textwrap.fill(labels[i] if labels is not None else _shares(ranks[i].rank, sp), **LANE_LABEL))
+    ax.set_yticks(range(len(drawn)), labels=texts, fontsize=8)
+    kept = set(keep or ())
+    for text, i in zip(ax.get_yticklabels(), drawn):
+        if ranks[i].rank in kept:
+            text.set_color(STALL)
+    ax.set_ylim(len(drawn) - 0.5, -0.5)
+    keys = [Patch(color=STALL, label="input wait (stall)"), Patch(color=SYNC, label="sync"),
+            Patch(color=COMPUTE, label="compute")]  # fmt: skip
+    per = None if edges is None else f"share of each {edges[1]:.2g} s"
+    ax.legend(handles=keys, title=per, title_fontsize=8, **LEGEND)
+    ax.set_title("each rank's loop: input wait, then compute, then sync (drawn at the step's end)", fontsize=9,
+                 loc="left")  # fmt: skip
+    if len(drawn) < len(ranks):
+        ax.set_title(f"{len(ranks) - len(drawn)} of {len(ranks)} ranks not drawn", fontsize=9, loc="right",
+                     color=STALL)  # fmt: skip
+
+
+def _lanes(ranks: list[RankRecord], keep: list[int] | None) -> list[int]:
+    """The indices in ``ranks`` of those a job's picture draws, by rank: those in ``keep``, then the lowest, up to
+    ``MAX_LANES`` in all."""
+    by_rank = sorted(range(len(ranks)), key=lambda i: ranks[i].rank)
+    kept = set(keep or ())
+    chosen = [i for i in by_rank if ranks[i].rank in kept][:MAX_LANES]
+    chosen += [i for i in by_rank if ranks[i].rank not in kept][: MAX_LANES - len(chosen)]
+    return sorted(chosen, key=lambda i: ranks[i].rank)
+
+
+def _parts(sp: RankSplit, start: float) -> list[tuple[str, np.ndarray]]:
+    """A rank's input waits, computes and syncs as (colour, spells): sorted (start, length) rows, seconds since
+    ``start``; each step's sync at its end, its compute before it (the split does not say when the sync was)."""
+    asks, returns = np.asarray(sp.asks, float) - start, np.asarray(sp.returns, float) - start
+    computes, syncs = np.asarray(sp.computes, float), np.asarray(sp.syncs, float)
+    rows = [(STALL, asks, returns - asks), (COMPUTE, returns, computes), (SYNC, returns + computes, syncs)]
+    return [(colour, np.column_stack([at, length]).reshape(-1, 2)) for colour, at, length in rows]
+
+
+def _lane(ax, k: int, parts: list[tuple[str, np.ndarray]], edges: np.ndarray | None) -> None:
+    """Lane ``k`` (the band around y = k): each part's spells as bars, or with ``edges``, each bin's shares stacked
+    from the lane's foot: input, then sync, then compute."""
+    if edges is None:
+        for colour, spells in parts:
+            spells = spells[spells[:, 1] > 0]
+            ax.broken_barh(spells, (k - 0.4, 0.8), facecolors=colour, linewidth=0)
+        return
+    mids, foot = (edges[:-1] + edges[1:]) / 2, np.full(len(edges) - 1, k + 0.4)
+    for colour, spells in sorted(parts, key=lambda part: [STALL, SYNC, COMPUTE].index(part[0])):
+        top = foot - 0.8 * _busy_fraction(spells, edges)
+        ax.fill_between(mids, foot, top, step="mid", color=colour, linewidth=0)
+        foot = top
+
+
+def _shares(rank: int, sp: RankSplit | None) -> str:
+    if sp is None or not sp.batches:
+        return f"rank {rank}: no batches"
+    s = sp.shares()
+    return f"rank {rank}: input {s['input']:.0%} sync {s['sync']:.0%} compute {s['compute']:.0%}"
+
+
+def _job_samples_panel(ax, ranks: list[RankRecord], drawn: list[int], start: float) -> None:
+    """Each drawn rank's GPU busy on the job's time axis, or its CPU busy where no drawn rank has GPU samples."""
+    gpu = any(s.get("gpu_util") is not None for i in drawn for s in ranks[i].timeline.samples)
+    key, what = ("gpu_util", "GPU busy %") if gpu else ("cpu_busy", "CPU busy %")
+    lines = 0
+    for i in drawn:
+        r = ranks[i]
+        xs, ys = _sampled(r.timeline, lambda s: s.get(key))
+        if xs is not None:
+            label = f"rank {r.rank}" if len(drawn) <= 8 else None  # past 8, a legend would hide the lines
+            ax.step(xs + r.timeline.start + r.offset - start, ys * 100, where="pre", lw=0.8, label=label)
+            lines += 1
+    if not lines:
+        _no_data(ax, NO_DATA)
+        return
+    ax.set_ylabel(what)
+    ax.set_ylim(0, 105)
+    if len(drawn) <= 8:
+        ax.legend(**LEGEND)
 
 
 def _batches_panel(ax, timeline: Timeline, rec: LoaderRecord | None) -> None:

@@ -2,8 +2,9 @@
 
 JSON schema (``report.json``, ``"schema": "fastfeed.doctor/1"``), top-level keys:
 
-- ``verdict``: ``bottleneck`` (input | compute | host_sync | launch), ``cause`` (input only: cpu | io | workers |
-  transfer | numa), ``severity`` (highly ≥ 20% of the loop waiting | moderately ≥ 5% | not), ``line`` (the text).
+- ``verdict``: ``bottleneck`` (input | compute | host_sync | launch; sync for a job's rank), ``cause`` (input: cpu |
+  io | workers | transfer | numa; sync: stragglers | collectives), ``severity`` (highly ≥ 20% of the loop waiting |
+  moderately ≥ 5% | not), ``line`` (the text). A job's report adds ``job`` and ``ranks`` (``jobreport``).
 - ``stall_fraction``: Σwait / Σ(wait + step) of the training loader (the one that yielded the most batches).
 - ``steps``: that loader's batches, samples/s, wait and step quantiles (seconds), epochs, first-batch waits.
 - ``loader``: what it was (kind, made_at, num_workers, prefetch_factor, batch_size, worker_type, ...;
@@ -48,9 +49,11 @@ def _fmt(value, unit: str) -> str:
 class Report:
     """What one watch recorded, and what the doctor makes of it. ``whatif`` holds the what-if runs' results."""
 
-    def __init__(self, watch=None, timeline: Timeline | None = None, command: list | None = None) -> None:
+    def __init__(self, watch=None, timeline: Timeline | None = None, command: list | None = None,
+                 sync=None) -> None:  # fmt: skip
         self._watch = watch
         self._timeline = timeline
+        self.sync = sync  # a job's rank: its loop split against the other ranks' (ranks.RankSplit)
         self.whatif: dict = {}
         self.command = command if command is not None else list(sys.argv)
 
@@ -65,7 +68,7 @@ class Report:
         return self._timeline
 
     def verdict(self) -> Verdict:
-        return diagnose(self.timeline, self.whatif)
+        return diagnose(self.timeline, self.whatif, self.sync)
 
     def to_dict(self) -> dict:
         from .._version import __version__

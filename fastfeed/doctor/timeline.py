@@ -27,6 +27,9 @@ class EpochRecord:
     ``ready``: batches already made when asked (None where the loader does not say: torch's).
     ``h2d``: seconds of each host-to-device copy (fastfeed's device stage).
     ``pids``: the worker processes (empty for thread workers and ``num_workers=0``).
+    ``blocked``: at each return, the seconds the consuming thread had so far spent blocked, neither on a CPU nor
+    waiting for one (``fastfeed.doctor.blocked``): differences between returns tell how long a step slept, as
+    it does inside a collective on a CPU backend. Empty where not read.
     """
 
     asks: list[float] = field(default_factory=list)
@@ -35,6 +38,7 @@ class EpochRecord:
     h2d: list[float] = field(default_factory=list)
     workers: list[WorkerRecord] = field(default_factory=list)
     pids: list[int] = field(default_factory=list)
+    blocked: list[float] = field(default_factory=list)
 
     def waits(self) -> list[float]:
         return [r - a for a, r in zip(self.asks, self.returns)]

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..stats import quantile
 from .evidence import Evidence, cv, gather, ms, pearson
+from .ranks import RankSplit
 from .timeline import Timeline
 
 HIGHLY, MODERATELY = 0.20, 0.05
@@ -28,8 +29,10 @@ MAIN_BUSY = 0.7
 
 @dataclass
 class Verdict:
-    """The doctor's answer. ``bottleneck``: input, compute, host_sync or launch; ``cause`` (input only): cpu, io,
-    workers, transfer or numa; ``severity``: highly, moderately or not (input-bound)."""
+    """The doctor's answer. ``bottleneck``: input, compute, host_sync, launch or (a job's rank) sync; ``cause``:
+    for input cpu, io, workers, transfer or numa, for sync ``stragglers`` (waiting for slower ranks to have their
+    batch) or ``collectives`` (the collectives' own time); ``severity``: highly, moderately or not (input-bound),
+    or of the sync for a sync-bound rank."""
 
     bottleneck: str
     cause: str | None
@@ -129,11 +132,12 @@ def dips(tl: Timeline, ev: Evidence, events: list[int]) -> dict | None:
 
 
 def _ceiling(ev: Evidence, whatif: dict) -> tuple[float, bool]:
-    """The compute ceiling (batches/s): measured with synthetic input, else the loop with its waits taken out."""
+    """The compute ceiling (batches/s): measured with synthetic input, else the loop with its waits taken out
+    (and, on a job's rank, its waits for the other ranks)."""
     run = whatif.get("compute_ceiling")
     if run and run.get("batches_per_s"):
         return run["batches_per_s"], True
-    return (ev.batches / ev.step_s if ev.step_s > 0 else math.inf), False
+    return (ev.batches / ev.compute_s if ev.compute_s > 0 else math.inf), False
 
 
 def _per_worker_s(ev: Evidence, whatif: dict) -> float | None:
@@ -178,9 +182,15 @@ def questions(tl: Timeline, ev: Evidence, whatif: dict, events: list[int]) -> li
     else:
         out.append(("Is storage access uneven from step to step?", cv(ev.waits), "cv",
                     "coefficient of variation of the input wait (the loader reports no fetch times)"))
-    share = ev.distributed_s / ev.loop_s if ev.loop_s > 0 else 0.0
-    out.append(("Does distributed sync dominate?", share, "share",
-                "share of the loop in torch.distributed collectives called from Python (0: not distributed)"))
+    if ev.sync_s is not None:
+        out.append(("Does distributed sync dominate?", ev.sync_fraction, "share",
+                    "share of the loop waiting for the other ranks (DDP's all-reduce inside backward(), collectives, "
+                    "barriers), measured on the ranks' aligned step timelines"))
+    else:
+        share = ev.distributed_s / ev.loop_s if ev.loop_s > 0 else 0.0
+        out.append(("Does distributed sync dominate?", share, "share",
+                    "share of the loop in torch.distributed collectives called from Python (0: not distributed; "
+                    "for a job's ranks run fastfeed doctor --nproc-per-node N)"))
     out.append(("Is there too little work per step?", (quantile(ev.steps, 0.5) or 0.0) * 1e3, "ms",
                 "median step time" + (f", GPU busy {ev.system['gpu_util']:.0%}" if ev.system.get("gpu_util")
                                       is not None else "")))  # fmt: skip
@@ -307,17 +317,31 @@ def _remote_workers(loader, t: float | None, ceiling: float) -> tuple | None:
 
 def _line(bottleneck: str, cause: str | None, severity: str, ev: Evidence) -> str:
     stall = f"{ev.stall_fraction:.0%} of the loop waiting for input"
+    if bottleneck == "sync":
+        return (f"verdict: {severity} sync-bound ({bottleneck}/{cause}): {ev.sync_fraction:.0%} of the loop waiting "
+                f"for the other ranks, {stall}")
     if bottleneck == "input":
         return f"verdict: {severity} input-bound ({bottleneck}/{cause}): {stall}"
     return f"verdict: {bottleneck}-bound, not input-bound: {stall}"
 
 
-def diagnose(tl: Timeline, whatif: dict | None = None) -> Verdict:
-    """The verdict on a timeline, using what-if results when there are any."""
+def diagnose(tl: Timeline, whatif: dict | None = None, sync: RankSplit | None = None) -> Verdict:
+    """The verdict on a timeline, using what-if results when there are any.
+
+    ``sync``: for one rank of a job, its loop split against the other ranks' (``ranks.split``): a rank that
+    spends more of its loop waiting for the others than for input or computing, and at least ``HIGHLY``, is
+    sync-bound.
+    """
     whatif = whatif or {}
     ev = gather(tl)
+    if sync is not None:
+        ev.sync_s = sync.sync_s
     severity = _severity(ev.stall_fraction)
-    if severity != "not":
+    compute = 1.0 - ev.stall_fraction - ev.sync_fraction
+    if sync is not None and ev.sync_fraction >= max(HIGHLY, ev.stall_fraction, compute):
+        bottleneck, severity = "sync", _severity(ev.sync_fraction)
+        cause = "stragglers" if sync.waiting_for_others_s >= 0.5 * sync.sync_s else "collectives"
+    elif severity != "not":
         bottleneck, cause = "input", _cause(ev, tl.placement)
     else:
         bottleneck, cause = _not_input(ev), None

@@ -41,15 +41,19 @@ class Watch:
         interval: seconds between system samples (NVML, /proc).
         alert_stall, alert_after_s, alert_gpu_util: the live alert (see the module docstring).
         overrides, to_fastfeed, cached: what-if runs (``fastfeed.doctor.hooks.Hooks``).
+        job: this process is one rank of a job (``fastfeed.doctor.jobrun``): keep the script's process group's
+            store once it has one, to hand the records to rank 0 through it where no launcher's store exists.
     """
 
     def __init__(self, steps: int | None = None, seconds: float | None = None, interval: float = 0.1,
                  alert_stall: float | None = None, alert_after_s: float = 300.0, alert_gpu_util: float | None = None,
-                 overrides: dict | None = None, to_fastfeed: bool = False, cached: bool = False) -> None:  # fmt: skip
+                 overrides: dict | None = None, to_fastfeed: bool = False, cached: bool = False,
+                 job: bool = False) -> None:  # fmt: skip
         if steps is not None and steps < 1:
             raise ValueError(f"steps must be a positive number of batches, got {steps}")
         self.steps, self.seconds = steps, seconds
         self.batches = 0
+        self._job = job
         self._deadline = None
         self.hooks = Hooks(self._tick, overrides, to_fastfeed, cached)
         self.sampler = Sampler(interval, pids=self.hooks.pids, on_tick=self._on_sample)
@@ -63,6 +67,10 @@ class Watch:
 
     def _tick(self) -> None:
         self.batches += 1
+        if self._job:
+            from . import jobstore
+
+            jobstore.capture()
         if self.steps is not None and self.batches > self.steps:
             raise StopWatch(f"the doctor recorded {self.steps} batches")
         if self._deadline is not None and time.perf_counter() > self._deadline:

@@ -1,0 +1,220 @@
+"""The doctor on a job of several ranks: real jobs (torch's launcher, gloo on CPU), and the split and verdict on
+recorded ones.
+
+Each scenario runs ``tests/_ddp_train.py``, a plain DDP script on torch's DataLoader with DistributedSampler, as
+a user would run it: ``fastfeed doctor --nproc-per-node 2``, ``torchrun -m fastfeed doctor``, and two launchers for
+two nodes on loopback. Each asserts the job's verdict, its stragglers and every rank's shares.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastfeed.doctor.jobverdict import judge
+from fastfeed.doctor.ranks import RankRecord, split
+
+from _timelines import make
+from test_doctor import OthersLoad, skip_unless_idle
+
+SCRIPT = str(Path(__file__).with_name("_ddp_train.py"))
+STEPS = 40
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+# rank 1's one worker spins a core, and input/workers (rather than input/cpu) needs half a core more free; the
+# closing launch's two workers on rank 1 need both cores but a quarter of one (test_doctor's budget)
+IDLE_CORES = 1.75
+
+SCENARIOS = {
+    # rank 1's samples cost 16x rank 0's, one worker each: rank 1 is input-bound, rank 0 waits in the all-reduce
+    "one slow rank": ["--slow-rank", "1", "--slow-ms", "8", "--sample-ms", "0.5"],
+    # every rank's samples wait 8 ms (reads), one worker each: input-bound alike
+    "alike": ["--sample-ms", "8", "--io"],
+    # 30 ms of CPU per step, fast samples
+    "compute": ["--compute-ms", "30"],
+    # 20M gradients all-reduced per step (80 MB), fast samples, half a millisecond of compute
+    "sync": ["--params", "20000000", "--compute-ms", "0.5"],
+}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _doctor(*args: str) -> list[str]:
+    return [sys.executable, "-m", "fastfeed", "doctor", *args]
+
+
+def run_job(mode: str, scenario: list[str], out: Path, steps: int = STEPS, whatif: bool = False,
+            timeout: float = 150) -> dict:  # fmt: skip
+    """The job's report.json, from ``mode``: launch (fastfeed's launcher), torchrun, or two_nodes."""
+    opts = ["--steps", str(steps), "--out", str(out), *([] if whatif else ["--no-whatif"])]
+    if mode == "launch":
+        runs = [_doctor("--nproc-per-node", "2", *opts, SCRIPT, *scenario)]
+    elif mode == "torchrun":
+        runs = [[sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                 "--master-port", str(_port()), "-m", "fastfeed", "doctor", *opts, SCRIPT, *scenario]]  # fmt: skip
+    else:
+        endpoint = f"127.0.0.1:{_port()}"
+        runs = [_doctor("--nproc-per-node", "1", "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint",
+                        endpoint, *opts, SCRIPT, *scenario) for node in (1, 0)]  # fmt: skip
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+             for cmd in runs]  # fmt: skip
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in reversed(procs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert all(p.returncode == 0 for p in procs), "\n---\n".join(outputs)[-6000:]
+    if mode == "two_nodes":
+        assert "node 1's ranks are measured; node 0 reports on the job" in outputs[-1], outputs[-1][-3000:]
+    return json.loads((out / "report.json").read_text())
+
+
+def check(name: str, d: dict) -> None:
+    job, ranks = d["job"], d["ranks"]
+    verdict = job["verdict"]
+    shares = {r["rank"]: r["shares"] for r in ranks}
+    said = f"{name}: {verdict['line']} | " + " | ".join(f"{r}: {s}" for r, s in shares.items())
+    assert [r["rank"] for r in ranks] == [0, 1], said
+    for s in shares.values():
+        assert sum(s.values()) == pytest.approx(1.0), said
+    if name == "one slow rank":
+        assert (verdict["bottleneck"], verdict["cause"], job["stragglers"]) == ("input", "workers", [1]), said
+        assert shares[1]["input"] > 0.5 and shares[0]["sync"] > 0.5 and shares[0]["input"] < 0.2, said
+        assert ranks[0]["verdict"]["bottleneck"] == "sync" and ranks[0]["verdict"]["cause"] == "stragglers", said
+        assert job["lost"] > 0.5 and "rank 1 holds the job back" in verdict["line"], said
+        assert [a["rank"] for a in job["advice"] if a["setting"]] == [1], job["advice"]
+    elif name == "alike":
+        assert (verdict["bottleneck"], job["stragglers"]) == ("input", []), said
+        assert all(s["input"] > 0.5 and s["sync"] < 0.25 for s in shares.values()), said
+    elif name == "compute":
+        assert (verdict["bottleneck"], job["stragglers"]) == ("compute", []), said
+        assert all(s["input"] < 0.10 and s["compute"] > 0.5 for s in shares.values()), said
+    else:
+        assert (verdict["bottleneck"], verdict["cause"], job["stragglers"]) == ("sync", "collectives", []), said
+        assert all(s["sync"] > max(0.2, s["compute"]) and s["input"] < 0.10 for s in shares.values()), said
+    # question 5 is the measured sync of rank 0, the top-level (single-process) fields' rank
+    q5 = d["questions"][4]
+    assert q5["value"] == pytest.approx(shares[0]["sync"], abs=0.02) and "not distributed" not in q5["how"], q5
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.parametrize("mode", ["launch", "torchrun", "two_nodes"])
+def test_a_jobs_verdict_stragglers_and_shares(mode, name, tmp_path):
+    with OthersLoad() as others:
+        d = run_job(mode, SCENARIOS[name], tmp_path / "out")
+    if name == "one slow rank":
+        skip_unless_idle(others, IDLE_CORES, d)
+    check(name, d)
+    text = (tmp_path / "out" / "report.txt").read_text().splitlines()
+    assert text[0] == d["job"]["verdict"]["line"]
+    assert [line.split(":")[0].strip().split(" (")[0] for line in text[2:4]] == ["rank 0", "rank 1"], text
+
+
+def test_the_closing_launch_measures_the_job_gain_the_advice_predicts(tmp_path):
+    out = tmp_path / "out"
+    with OthersLoad() as others:
+        d = run_job("launch", SCENARIOS["one slow rank"], out, steps=100, whatif=True, timeout=240)
+    skip_unless_idle(others, IDLE_CORES, d)
+    check("one slow rank", d)
+    closing = d["whatif"]["closing"]
+    assert closing["setting"] == {"num_workers": 2} and closing["rank"] == 1, closing
+    assert closing["gain"] == pytest.approx(closing["predicted_gain"], rel=0.15), closing
+    assert [r["rank"] for r in closing["ranks"]] == [0, 1]
+    names = {e["args"]["name"] for e in json.loads((out / "trace.json").read_text())["traceEvents"]
+             if e["name"] == "process_name"}  # fmt: skip
+    assert any(n.startswith("rank 0") for n in names) and any(n.startswith("rank 1") for n in names), names
+    assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- the split and the verdict on recorded jobs ------------------------------------------------------------------
+
+
+def _rank(rank: int, waits, steps, *, offset: float = 0.0, slept=None, cuda: bool = False) -> RankRecord:
+    """A rank's record from per-batch waits and steps (seconds); ``slept``: per step, seconds the thread slept."""
+    tl = make(waits, steps)
+    ep = tl.loaders[0].epochs[0]
+    if slept is not None:
+        total, ep.blocked = 0.0, []
+        for i, w in enumerate(waits):
+            total += w + (slept[i - 1] if i else 0.0)  # a wait is slept through, as the loop waits on a pipe
+            ep.blocked.append(total)
+    shift = -offset  # this rank's clock reads ``offset`` less than rank 0's
+    for e in tl.loaders[0].epochs:
+        e.asks = [a + shift for a in e.asks]
+        e.returns = [r + shift for r in e.returns]
+    tl.start += shift
+    tl.end += shift
+    return RankRecord(rank=rank, timeline=tl, offset=offset, cuda=cuda)
+
+
+def test_a_rank_that_had_its_batch_first_waits_the_difference_on_one_clock():
+    # rank 1 waits 30 ms for each batch, rank 0 2 ms; both steps are 5 ms of compute, after which rank 0 waits
+    # for rank 1 (its step lasts until rank 1 has caught up); rank 1's clock reads 7 s less than rank 0's
+    n = 20
+    zero = _rank(0, [0.002] * n, [0.005 + 0.028] * n)
+    one = _rank(1, [0.030] * n, [0.005] * n, offset=7.0)
+    s0, s1 = split([zero, one])
+    assert s0.sync_s == pytest.approx(0.028 * (n - 1), rel=0.01)
+    assert s1.sync_s == pytest.approx(0.0, abs=1e-9)
+    assert s0.shares()["sync"] > 0.75 and s1.shares()["input"] > 0.8
+    job = judge([zero, one])
+    assert job.stragglers == [1] and job.bottleneck == "input"
+
+
+def test_sleep_inside_a_step_is_sync_on_a_cpu_backend_and_not_where_cuda_is_used():
+    # every rank arrives together (no straggler), and sleeps 40 of a 50 ms step: the collective's own time
+    n = 20
+    for cuda, expected in ((False, 0.040), (True, 0.0)):
+        ranks = [_rank(r, [0.001] * n, [0.050] * n, slept=[0.040] * n, cuda=cuda) for r in range(2)]
+        for sp in split(ranks):
+            assert sp.sync_s == pytest.approx(expected * (n - 1), rel=0.01, abs=1e-9)
+    ranks = [_rank(r, [0.001] * n, [0.050] * n, slept=[0.040] * n) for r in range(2)]
+    job = judge(ranks)
+    assert (job.bottleneck, job.cause, job.stragglers) == ("sync", "collectives", [])
+    assert job.collectives_s == pytest.approx(0.040, rel=0.01)  # per step
+
+
+def test_two_slow_ranks_of_four_are_both_stragglers_and_alike_ranks_none():
+    n = 20
+    fast, slow = ([0.002] * n, [0.033] * n), ([0.030] * n, [0.005] * n)
+    ranks = [_rank(r, *(slow if r in (1, 3) else fast)) for r in range(4)]
+    assert judge(ranks).stragglers == [1, 3]
+    alike = [_rank(r, *slow) for r in range(4)]
+    job = judge(alike)
+    assert job.stragglers == [] and job.bottleneck == "input"
+
+
+def test_a_moderate_wait_beside_a_long_compute_leaves_the_job_compute_bound():
+    ranks = [_rank(r, [0.003] * 20, [0.040] * 20) for r in range(2)]  # 7% waiting for input
+    job = judge(ranks)
+    assert (job.bottleneck, job.stragglers, job.advice) == ("compute", [], [])
+
+
+def test_a_rank_whose_script_raises_ends_the_job_with_its_error_and_leaves_nothing(tmp_path):
+    # rank 1 raises at its 5th batch while rank 0 waits for it in the all-reduce: no hang, the error named
+    cmd = _doctor("--nproc-per-node", "2", "--steps", "40", "--no-whatif", SCRIPT, "--fail-rank", "1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out = proc.communicate(timeout=90)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    assert proc.returncode == 1, out[-3000:]
+    assert "rank 1: the script ended with RuntimeError('rank 1 failed on purpose')" in out, out[-3000:]
+    assert "fastfeed doctor: a rank of the job failed" in out, out[-3000:]
+    left = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert left == [], left
