@@ -218,3 +218,13 @@ def test_a_rank_whose_script_raises_ends_the_job_with_its_error_and_leaves_nothi
     assert "fastfeed doctor: a rank of the job failed" in out, out[-3000:]
     left = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
     assert left == [], left
+
+
+def test_one_rank_watched_alone_says_what_its_sync_figure_leaves_out():
+    from fastfeed.doctor.verdict import diagnose
+
+    tl = make([0.001] * 20, [0.030] * 20)
+    assert "(0: not distributed" in diagnose(tl).questions[4]["how"]
+    tl.world = 4
+    how = diagnose(tl).questions[4]["how"]
+    assert "one of 4 ranks watched alone" in how and "--nproc-per-node" in how and "not distributed" not in how

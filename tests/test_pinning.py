@@ -62,18 +62,32 @@ def run(fake_cudart, body, prelude=PRELUDE, timeout=60):
 
 @pytest.mark.parametrize("worker_type", ["process", "thread"])
 def test_once_registered_every_batch_of_a_later_epoch_lies_in_registered_memory(fake_cudart, worker_type):
-    """After the first epoch's slots are registered (in the background), a second epoch's batches are all pinned."""
+    """After the first epoch's slots are registered (in the background), a second epoch's batches are all pinned.
+
+    All but those in slots the second epoch added: a worker that finds no slot free (the machine busy, the loop
+    late to free one) adds a slot, registered in the background like the first epoch's; seen once in a full run.
+    """
     out = run(
         fake_cudart,
         f"""
         loader = _candidate.DataLoader(ds.PlainDataset(96), batch_size=4, num_workers=2, worker_type={worker_type!r})
         assert len(list(b["x"].clone() for b in loader)) == 24
         assert pinner.flush(10)
-        pinned = [registered(b["x"]) and registered(b["index"]) for b in loader]
-        print("PINNED", sum(pinned), len(pinned))
+        old = [(s.segment.address, s.segment.address + s.segment.size) for s in loader._ff_ring._slots]
+
+        def in_old_slot(t):
+            p = t.untyped_storage().data_ptr()
+            return any(a <= p < b for a, b in old)
+
+        seen = [(registered(b["x"]) and registered(b["index"]), in_old_slot(b["x"])) for b in loader]
+        print("PINNED", sum(r for r, _ in seen), len(seen), "UNPINNED_IN_OLD", sum(o and not r for r, o in seen),
+              "IN_OLD", sum(o for _, o in seen))
     """,
     )
-    assert out.split()[1:] == ["24", "24"], out
+    words = out.split()
+    pinned, batches, unpinned_in_old, in_old = int(words[1]), int(words[2]), int(words[4]), int(words[6])
+    assert batches == 24 and unpinned_in_old == 0 and in_old >= 12, out
+    assert pinned >= in_old, out
 
 
 @pytest.mark.parametrize("worker_type", ["process", "thread"])

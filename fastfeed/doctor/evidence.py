@@ -66,6 +66,7 @@ class Evidence:
     cpus: int = 1
     gpu: bool = False
     distributed_s: float = 0.0
+    world: int = 1
     warm_batches_per_s: float | None = None  # with each epoch's first round (a batch from every worker) left out
     sync_s: float | None = None  # of step_s, seconds waiting for other ranks (a job's rank; None: not measured)
 
@@ -128,7 +129,8 @@ def _in_span(samples: list[dict], spans: list[tuple[float, float]]) -> list[dict
 def gather(tl: Timeline) -> Evidence:
     """The evidence of a timeline: its training loader's batches and workers, and the samples taken meanwhile."""
     rec = tl.primary()
-    ev = Evidence(loader=rec, cpus=tl.cpus, gpu=tl.gpu is not None, distributed_s=tl.distributed_s)
+    ev = Evidence(loader=rec, cpus=tl.cpus, gpu=tl.gpu is not None, distributed_s=tl.distributed_s,
+                  world=tl.world)
     if rec is None or rec.batches == 0:
         return ev
     spans, busy, worker_time, pids, ready, h2d = [], [], [], set(), [], []

@@ -16,14 +16,10 @@ gain (its slowest rank's rate, once every worker has made its first batch) again
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-from .._atomic import write_atomic
 from .evidence import ms
 from .jobverdict import JobVerdict, judge
 from .ranks import RankRecord
-from .report import Report
+from .report import Report, write_texts
 
 CEILINGS_SKIPPED = ("for a job, each rank's loader alone or the script fed cached batches would be a second job "
                     "whose ranks compete for the machine; the closing launch measures the advice instead")
@@ -110,13 +106,8 @@ class JobReport:
         from . import plot as plotting
         from . import trace as tracing
 
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
         d = self.to_dict()
-        paths = {"json": out / "report.json", "text": out / "report.txt", "timeline": out / "job.json"}
-        write_atomic(paths["json"], json.dumps(d, indent=2, default=str), mode=0o644)
-        write_atomic(paths["text"], self.summary(d), "\n", mode=0o644)
-        write_atomic(paths["timeline"], json.dumps(self.records_dict(), default=str), mode=0o644)
+        out, paths = write_texts(directory, d, self.summary(d), "job.json", self.records_dict())
         splits = [v.split for v in self.job.ranks]
         start = min((r.timeline.start + r.offset for r in self.records), default=0.0)
         if trace:

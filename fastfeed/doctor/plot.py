@@ -56,16 +56,10 @@ def timeline_png(timeline: Timeline, path, title: str | None = None) -> Path:
         _cpu_panel(axes[2], timeline)
         _workers_panel(axes[3], timeline, rec)
         _mark_epochs(axes, timeline, rec)
-        span = timeline.end - timeline.start
-        if span > 0:
-            axes[-1].set_xlim(0, span)
-        axes[-1].set_xlabel("seconds since the watch started")
-        fig.suptitle(textwrap.fill(title or "fastfeed doctor: timeline", 110), fontsize=11)
-        path = Path(path)
-        fig.savefig(path, format="png")
+        return _save(fig, axes, timeline.end - timeline.start, "seconds since the watch started",
+                     title or "fastfeed doctor: timeline", path)  # fmt: skip
     finally:
         fig.clear()
-    return path
 
 
 def job_png(ranks: list[RankRecord], splits: list[RankSplit], path, title: str | None = None,
@@ -94,14 +88,20 @@ def job_png(ranks: list[RankRecord], splits: list[RankSplit], path, title: str |
         axes = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [LANE_IN * lanes, SAMPLES_IN]})
         _ranks_panel(axes[0], ranks, {sp.rank: sp for sp in splits}, drawn, labels, start, span, keep)
         _job_samples_panel(axes[1], ranks, drawn, start)
-        if span > 0:
-            axes[-1].set_xlim(0, span)
-        axes[-1].set_xlabel("seconds since the job started (rank 0's clock)")
-        fig.suptitle(textwrap.fill(title or "fastfeed doctor: job timeline", 110), fontsize=11)
-        path = Path(path)
-        fig.savefig(path, format="png")
+        return _save(fig, axes, span, "seconds since the job started (rank 0's clock)",
+                     title or "fastfeed doctor: job timeline", path)  # fmt: skip
     finally:
         fig.clear()
+
+
+def _save(fig, axes, span: float, xlabel: str, title: str, path) -> Path:
+    """The shared time axis (``span`` seconds) under the last of ``axes``, the title, and the PNG at ``path``."""
+    if span > 0:
+        axes[-1].set_xlim(0, span)
+    axes[-1].set_xlabel(xlabel)
+    fig.suptitle(textwrap.fill(title, 110), fontsize=11)
+    path = Path(path)
+    fig.savefig(path, format="png")
     return path
 
 

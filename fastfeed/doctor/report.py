@@ -165,14 +165,8 @@ class Report:
         from . import plot as plotting
         from . import trace as tracing
 
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
         d = self.to_dict()
-        paths = {"json": out / "report.json", "text": out / "report.txt", "timeline": out / "timeline.json"}
-        # Readable as the PNG and the trace are: a report is made to be shared.
-        write_atomic(paths["json"], json.dumps(d, indent=2, default=str), mode=0o644)
-        write_atomic(paths["text"], self.summary(d), "\n", mode=0o644)
-        write_atomic(paths["timeline"], json.dumps(self.timeline.to_dict()), mode=0o644)
+        out, paths = write_texts(directory, d, self.summary(d), "timeline.json", self.timeline.to_dict())
         if trace:
             paths["trace"] = tracing.write_trace(self.timeline, out / "trace.json")
         if plot:
@@ -181,6 +175,19 @@ class Report:
             except ImportError as e:
                 paths["png"] = str(e)
         return paths
+
+
+def write_texts(directory, d: dict, text: str, records_name: str, records: dict) -> tuple[Path, dict]:
+    """Write a report's ``report.json`` (``d``), ``report.txt`` (``text``) and the records it was made from into
+    ``directory`` (made if missing); returns the directory and the paths, keyed json, text and timeline."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "report.json", "text": out / "report.txt", "timeline": out / records_name}
+    # Readable as the PNG and the trace are: a report is made to be shared.
+    write_atomic(paths["json"], json.dumps(d, indent=2, default=str), mode=0o644)
+    write_atomic(paths["text"], text, "\n", mode=0o644)
+    write_atomic(paths["timeline"], json.dumps(records, default=str), mode=0o644)
+    return out, paths
 
 
 def _pct(x) -> str:

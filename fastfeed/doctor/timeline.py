@@ -91,7 +91,7 @@ class Timeline:
     ``samples``: the system sampler's readings (``fastfeed.doctor.sampler``), each a dict with ``t``
     and the figures of the interval that ended then. ``cpus``: this process's allowed CPUs.
     ``gpu``: the GPU watched (``{"index", "name"}``) or None. ``distributed_s``: seconds the main
-    thread spent in ``torch.distributed`` collectives called from Python. ``placement``: where the
+    thread spent in ``torch.distributed`` collectives called from Python; ``world``: the ranks of its process group. ``placement``: where the
     workers ran against the GPU's NUMA node, when there is one to compare with.
     """
 
@@ -102,6 +102,7 @@ class Timeline:
     cpus: int = 1
     gpu: dict | None = None
     distributed_s: float = 0.0
+    world: int = 1  # ranks in the process group the script had made by the watch's end (1: none)
     placement: dict | None = None
 
     def primary(self) -> LoaderRecord | None:

@@ -188,9 +188,13 @@ def questions(tl: Timeline, ev: Evidence, whatif: dict, events: list[int]) -> li
                     "barriers), measured on the ranks' aligned step timelines"))
     else:
         share = ev.distributed_s / ev.loop_s if ev.loop_s > 0 else 0.0
-        out.append(("Does distributed sync dominate?", share, "share",
-                    "share of the loop in torch.distributed collectives called from Python (0: not distributed; "
-                    "for a job's ranks run fastfeed doctor --nproc-per-node N)"))
+        how = "share of the loop in torch.distributed collectives called from Python"
+        if ev.world > 1:  # one rank of a job, watched alone
+            how += (f"; one of {ev.world} ranks watched alone, so DDP's all-reduce inside backward() and the waits "
+                    "for other ranks are not in it: fastfeed doctor --nproc-per-node N measures them")
+        else:
+            how += " (0: not distributed; for a job's ranks run fastfeed doctor --nproc-per-node N)"
+        out.append(("Does distributed sync dominate?", share, "share", how))
     out.append(("Is there too little work per step?", (quantile(ev.steps, 0.5) or 0.0) * 1e3, "ms",
                 "median step time" + (f", GPU busy {ev.system['gpu_util']:.0%}" if ev.system.get("gpu_util")
                                       is not None else "")))  # fmt: skip

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import sys
 import time
 
 from .. import topology
@@ -107,7 +108,7 @@ class Watch:
         loaders = self.hooks.records()
         return Timeline(start=self.start, end=self.end or time.perf_counter(), loaders=loaders,
                         samples=list(self.sampler.samples), cpus=len(os.sched_getaffinity(0)),
-                        gpu=self.sampler.gpu, distributed_s=self.hooks.distributed_s,
+                        gpu=self.sampler.gpu, distributed_s=self.hooks.distributed_s, world=_world(),
                         placement=self._placement())  # fmt: skip
 
     def _placement(self) -> dict | None:
@@ -160,6 +161,14 @@ class Watch:
         what = f"{stall:.0%} of the loop waiting for input" if stalled else f"GPU utilisation {util:.0%}"
         log.warning("fastfeed doctor: %s over the last %.0f s. %s", what, self.alert_after_s,
                     diagnose(self.timeline()).line)
+
+
+def _world() -> int:
+    """The ranks of the script's process group, 1 when it has none (torch.distributed is only asked if imported)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size()
 
 
 def placement(topo: topology.Topology, gpu_index: int, affinities) -> dict | None:
