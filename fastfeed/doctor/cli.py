@@ -17,18 +17,17 @@ import json
 import os
 import sys
 
+from .. import _script
 from . import jobstore, script, whatif
+from .script import say
 
 DEMO = "fastfeed.doctor.demo"
 
 
-def _say(msg: str) -> None:
-    print(f"fastfeed doctor: {msg}", file=sys.stderr, flush=True)
-
 
 def examine(target: str, argv: list[str], module: bool = False, steps: int = 300, whatifs: bool = True):
     """The measured run, then (``whatifs``) the ceilings and the advised setting re-measured. Returns the report."""
-    _say(f"measuring {target} for up to {steps} batches")
+    say(f"measuring {target} for up to {steps} batches")
     report, watch, error = script.run(target, argv, module, steps=steps)
     primary = report.timeline.primary()
     if primary is None or primary.batches == 0:
@@ -36,21 +35,21 @@ def examine(target: str, argv: list[str], module: bool = False, steps: int = 300
         why = f"it ended with {error!r}" if error else "no DataLoader was iterated"
         raise script.ScriptFailed(f"the script gave the doctor no batches to measure: {why}") from error
     if error is not None:
-        _say(f"the script stopped early ({error!r}); diagnosing the {primary.batches} batches recorded")
+        say(f"the script stopped early ({error!r}); diagnosing the {primary.batches} batches recorded")
     if not whatifs:
         watch.hooks.release()
         return report
     loader = watch.hooks.loaders()[primary.id]
-    _say("what-if: the loader alone (input ceiling)")
+    say("what-if: the loader alone (input ceiling)")
     report.whatif["input_ceiling"] = whatif.input_ceiling(loader, steps)
     if primary.kind == "torch":
-        _say("what-if: fastfeed.DataLoader with the same arguments, alone")
+        say("what-if: fastfeed.DataLoader with the same arguments, alone")
         twin = whatif.fastfeed_twin(loader)
         report.whatif["input_ceiling_fastfeed"] = whatif.input_ceiling(twin, steps)
         del twin
     del loader
     watch.hooks.release()
-    _say("what-if: the script fed one cached batch (compute ceiling)")
+    say("what-if: the script fed one cached batch (compute ceiling)")
     skipped = report.whatif["skipped"] = {}
     report.whatif["compute_ceiling"], why = whatif.compute_ceiling(target, argv, module, steps)
     if why:
@@ -61,21 +60,15 @@ def examine(target: str, argv: list[str], module: bool = False, steps: int = 300
         skipped["closing"] = "no setting to change"
         return report
     best = advice[0]
-    _say(f"what-if: the script again with {best['change']} (closing the loop)")
+    say(f"what-if: the script again with {best['change']} (closing the loop)")
     run, why = whatif.rerun(target, argv, module, steps, best["setting"])
-    measured = verdict.evidence["samples_per_s"]
     if run is None:
         skipped["closing"] = f"with {best['change']}: {why}"
         return report
-    overall = run["samples_per_s"] / measured if measured else None
-    # Compared once every worker has made its first batch: a short run must not count starting more workers (or
-    # Ray actors, which take seconds) against a setting a training run starts once.
-    warm, warm_now = run.get("warm_batches_per_s"), verdict.evidence.get("warm_batches_per_s")
     report.whatif["closing"] = {**run, "change": best["change"], "setting": best["setting"],
                                 "predicted_samples_per_s": best["predicted_samples_per_s"],
                                 "predicted_gain": best["predicted_gain"],
-                                "gain": warm / warm_now if warm and warm_now else overall,
-                                "gain_with_startup": overall}  # fmt: skip
+                                **whatif.gains(run, verdict.evidence)}  # fmt: skip
     return report
 
 
@@ -127,7 +120,7 @@ def _show(report, args) -> int:
     if args.out:
         paths = report.save(args.out)
         for kind, path in paths.items():
-            _say(f"{kind}: {path}")
+            say(f"{kind}: {path}")
     d = report.to_dict()
     print(json.dumps(d, indent=2, default=str) if args.json else report.summary(d))
     return 0
@@ -138,7 +131,7 @@ def _job(args, target: str, argv: list[str], module: bool) -> int:
     from . import jobrun, launch
 
     try:
-        _script_check(target, module)
+        _script.check(target, module, "fastfeed doctor")
         if args.nproc_per_node is not None:
             if args.nproc_per_node < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
                 print("fastfeed doctor: --nproc-per-node and --nnodes must be positive and --node-rank within "
@@ -147,7 +140,7 @@ def _job(args, target: str, argv: list[str], module: bool) -> int:
             report = launch.examine_job(args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint,
                                         target, argv, module, args.steps, args.whatif)  # fmt: skip
             if report is None:
-                _say(f"node {args.node_rank}'s ranks are measured; node 0 reports on the job")
+                say(f"node {args.node_rank}'s ranks are measured; node 0 reports on the job")
                 return 0
             return _show(report, args)
         env = jobstore.job_env()
@@ -165,8 +158,3 @@ def _job(args, target: str, argv: list[str], module: bool) -> int:
             "measures the advice")  # fmt: skip
     return _show(report, args)
 
-
-def _script_check(target: str, module: bool) -> None:
-    from .. import _script
-
-    _script.check(target, module, "fastfeed doctor")

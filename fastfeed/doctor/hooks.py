@@ -161,10 +161,12 @@ class Hooks:
         overrides: DataLoader arguments to force on every loader built (the closing-the-loop run).
         to_fastfeed: build ``fastfeed.DataLoader`` where the script builds ``torch.utils.data.DataLoader``.
         cached: every loader yields its first batch over and over (the compute ceiling).
+        sleep: read, at each batch's return, how long the consuming thread has slept (``blocked``): a job's rank
+            needs it to measure the sync inside its steps; one process watched alone does not pay for it.
     """
 
     def __init__(self, tick: Callable[[], None], overrides: dict | None = None, to_fastfeed: bool = False,
-                 cached: bool = False) -> None:  # fmt: skip
+                 cached: bool = False, sleep: bool = False) -> None:  # fmt: skip
         self.tick = tick
         self.overrides = dict(overrides or {})
         self.to_fastfeed = to_fastfeed
@@ -174,7 +176,7 @@ class Hooks:
         self.distributed_s = 0.0
         self.affinity: dict[int, frozenset[int]] = {}  # each worker process's allowed CPUs, read while it lived
         self._batches: dict[int, object] = {}  # the compute ceiling's cached batch, per loader
-        self._sleep = Clock()
+        self._sleep = Clock() if sleep else None
         self._depth = threading.local()
         self._saved: list[tuple[object, str, object]] = []
 
@@ -198,7 +200,8 @@ class Hooks:
 
     def close(self) -> None:
         """Undo every patch, newest first."""
-        self._sleep.close()
+        if self._sleep is not None:
+            self._sleep.close()
         while self._saved:
             owner, name, old = self._saved.pop()
             if old is _MISSING:
@@ -274,14 +277,22 @@ class Hooks:
         return seen
 
     def _counted(self, rec: stats.Recorder, epoch: _Epoch) -> None:
-        add, tick, slept, blocked = rec.add, self.tick, self._sleep.read, epoch.blocked.append
+        add, tick = rec.add, self.tick
 
         def add_and_tick(asked: float, ready: int, returned: float) -> None:
             tick()  # past the watch's batches it raises, and the batch is neither recorded nor handed over
             add(asked, ready, returned)
-            blocked(slept())
 
-        rec.add = add_and_tick
+        if self._sleep is not None:
+            slept, blocked = self._sleep.read, epoch.blocked.append
+
+            def add_tick_and_read(asked: float, ready: int, returned: float) -> None:
+                add_and_tick(asked, ready, returned)
+                blocked(slept())
+
+            rec.add = add_tick_and_read
+        else:
+            rec.add = add_and_tick
 
     def _adopt(self, loader, it):
         """Record ``it``'s batches: through fastfeed's own recorder, or one fed from torch's ``_next_data``."""

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 from .._atomic import write_atomic
 from . import jobstore, script
 from .jobreport import JobReport
 from .ranks import RankRecord
+from .script import say
 
 JOB_DIR = "FASTFEED_DOCTOR_JOB_DIR"
 
@@ -30,16 +30,13 @@ class RankFailed(RuntimeError):
     """The script raised on this rank: the rank exits with an error, and the launcher ends the job."""
 
 
-def _say(msg: str) -> None:
-    print(f"fastfeed doctor: {msg}", file=sys.stderr, flush=True)
-
 
 def run_rank(env: dict, target: str, argv: list[str], module: bool, steps: int,
              overrides: dict | None = None) -> JobReport | None:  # fmt: skip
     """Run this rank's part; on rank 0, return the job's report (None on the other ranks)."""
     rank, world = env["rank"], env["world"]
     if rank == 0:
-        _say(f"measuring {target} on {world} ranks for up to {steps} batches each")
+        say(f"measuring {target} on {world} ranks for up to {steps} batches each")
     settings = dict(overrides or {})
     to_fastfeed = bool(settings.pop("fastfeed", False))
     report, watch, error = script.run(target, argv, module, steps=steps, overrides=settings or None,

@@ -16,20 +16,18 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 import tempfile
 from pathlib import Path
 
+from . import whatif
 from .jobreport import JobReport
 from .jobrun import JOB_DIR
+from .script import say
 
 
 class LaunchFailed(RuntimeError):
     """A launch of the job failed (a rank exited with an error, or the rendezvous did not happen)."""
 
-
-def _say(msg: str) -> None:
-    print(f"fastfeed doctor: {msg}", file=sys.stderr, flush=True)
 
 
 def _free_port() -> int:
@@ -83,7 +81,7 @@ def examine_job(nproc: int, nnodes: int, node_rank: int, endpoint: str | None, t
     script = [*(["-m"] if module else []), target, *argv]
     base = ["--steps", str(steps)]
     with tempfile.TemporaryDirectory(prefix="fastfeed-doctor-") as first:
-        _say(f"launching {nproc * nnodes} ranks ({nproc} per node, {nnodes} node{'s' if nnodes > 1 else ''}) "
+        say(f"launching {nproc * nnodes} ranks ({nproc} per node, {nnodes} node{'s' if nnodes > 1 else ''}) "
              f"through torch.distributed.run")  # fmt: skip
         launch(torchrun_args(nproc, nnodes, node_rank, endpoint, [*base, *script]), first)
         decision = _read(first, "decision.json") or {}
@@ -96,7 +94,7 @@ def examine_job(nproc: int, nnodes: int, node_rank: int, endpoint: str | None, t
         if report is not None and whatifs:
             report.whatif.setdefault("skipped", {})["closing"] = "no setting to change"
         return report
-    _say(f"what-if: the job again with {closing['change']} on every rank (closing the loop)")
+    say(f"what-if: the job again with {closing['change']} on every rank (closing the loop)")
     overrides = json.dumps(closing["setting"])
     with tempfile.TemporaryDirectory(prefix="fastfeed-doctor-") as second:
         try:
@@ -114,11 +112,8 @@ def examine_job(nproc: int, nnodes: int, node_rank: int, endpoint: str | None, t
 
 
 def closing_result(before: JobReport, after: JobReport, closing: dict) -> dict:
-    """The closing launch against the measured one: the job's rate (its slowest rank's), once warm where both
-    runs say (a short run must not count starting more workers against a setting a training run starts once)."""
+    """The closing launch against the measured one: the job's rate, its slowest rank's (``whatif.gains``)."""
     now, then = after.job_rate(), before.job_rate()
-    warm, warm_then = now["warm_batches_per_s"], then["warm_batches_per_s"]
-    overall = now["batches_per_s"] / then["batches_per_s"] if then["batches_per_s"] else None
     return {**closing, "samples_per_s": now["samples_per_s"], "batches_per_s": now["batches_per_s"],
-            "warm_batches_per_s": warm, "ranks": now["ranks"],
-            "gain": warm / warm_then if warm and warm_then else overall, "gain_with_startup": overall}  # fmt: skip
+            "warm_batches_per_s": now["warm_batches_per_s"], "ranks": now["ranks"],
+            **whatif.gains(now, then)}  # fmt: skip

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+
 from .. import _script
 from .report import Report
 from .watch import Watch
+
+
+def say(msg: str) -> None:
+    """A line of the doctor's progress, on stderr (stdout is the report's)."""
+    print(f"fastfeed doctor: {msg}", file=sys.stderr, flush=True)
 
 
 class ScriptFailed(RuntimeError):

@@ -42,8 +42,9 @@ class Watch:
         interval: seconds between system samples (NVML, /proc).
         alert_stall, alert_after_s, alert_gpu_util: the live alert (see the module docstring).
         overrides, to_fastfeed, cached: what-if runs (``fastfeed.doctor.hooks.Hooks``).
-        job: this process is one rank of a job (``fastfeed.doctor.jobrun``): keep the script's process group's
-            store once it has one, to hand the records to rank 0 through it where no launcher's store exists.
+        job: this process is one rank of a job (``fastfeed.doctor.jobrun``): read the loop's sleep at each batch
+            (the sync inside its steps), and keep the script's process group's store once it has one, to hand the
+            records to rank 0 through it where no launcher's store exists.
     """
 
     def __init__(self, steps: int | None = None, seconds: float | None = None, interval: float = 0.1,
@@ -56,7 +57,7 @@ class Watch:
         self.batches = 0
         self._job = job
         self._deadline = None
-        self.hooks = Hooks(self._tick, overrides, to_fastfeed, cached)
+        self.hooks = Hooks(self._tick, overrides, to_fastfeed, cached, sleep=job)
         self.sampler = Sampler(interval, pids=self.hooks.pids, on_tick=self._on_sample)
         self.report = Report(self)
         self.start = self.end = None

@@ -40,6 +40,16 @@ def _outcome(report, watch, error) -> tuple[dict | None, str | None]:
     return rate, None
 
 
+def gains(now: dict, then: dict) -> dict:
+    """A re-run's rate (``now``) against the recorded one (``then``), each with ``samples_per_s`` and
+    ``warm_batches_per_s``: ``gain`` once every worker has made its first batch where both say (a short run must
+    not count starting more workers, or Ray actors, which take seconds, against a setting a training run starts
+    once), ``gain_with_startup`` with it."""
+    overall = now["samples_per_s"] / then["samples_per_s"] if then["samples_per_s"] else None
+    warm, warm_then = now.get("warm_batches_per_s"), then.get("warm_batches_per_s")
+    return {"gain": warm / warm_then if warm and warm_then else overall, "gain_with_startup": overall}
+
+
 def compute_ceiling(target: str, argv: list[str], module: bool, steps: int) -> tuple[dict | None, str | None]:
     """The script again, every loader yielding one cached batch (on the GPU when the script uses one).
 
