@@ -469,7 +469,7 @@ class RayPool:
     # -- losing an actor -------------------------------------------------------------------
 
     def _replace(self, w: _Worker, error: BaseException) -> None:
-        held = self._held(w)
+        held = next((msg for msg, _ in w.pending if type(msg) is m.Task), None)
         key = None if held is None else held.idx
         w.losses[key] += 1
         if w.losses[key] > MAX_LOSSES:
@@ -500,16 +500,6 @@ class RayPool:
         print(f"fastfeed: DataLoader worker {w.wid} (Ray actor) was lost ({type(error).__name__}); a new actor "
               f"continues from its last batch and redoes {sum(type(e[0]) is m.Task for e in owed)} owed",
               file=sys.stderr, flush=True)  # fmt: skip
-
-    def _held(self, w: _Worker) -> m.Task | None:
-        """The task a lost actor was running: the first one owed whose answer it had not finished (an actor runs its
-        calls in order). An answer finished but not yet taken by the loop does not count: blaming it would charge
-        that batch with every loss the next one causes. The first task owed where every answer is finished."""
-        tasks = [(msg, ref) for msg, ref in w.pending if type(msg) is m.Task]
-        refs = [ref for _, ref in tasks if ref is not _LOCAL]
-        done = set(self.ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
-        return next((msg for msg, ref in tasks if ref is not _LOCAL and ref not in done),
-                    tasks[0][0] if tasks else None)  # fmt: skip
 
     def dump_stacks(self, waited: float) -> None:
         where = ", ".join(f"worker {w.wid}: pid {w.where['pid']} on {w.where['host']}" for w in self.workers
