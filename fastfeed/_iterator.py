@@ -36,11 +36,12 @@ from ._workers.threads import ThreadPool, thread_worker_main
 class _Task:
     """One batch's task, from the moment its index is taken until it is yielded."""
 
-    __slots__ = ("wid", "index", "msg", "memory")
+    __slots__ = ("wid", "index", "msg", "memory", "number")
 
-    def __init__(self, wid: int, index):
+    def __init__(self, wid: int, index, number: int):
         self.wid = wid
         self.index = index
+        self.number = number  # its batch's number in the epoch (the sampler's ask), whatever order it arrives in
         self.msg = None  # the worker's answer, once received
         self.memory = None  # where its batch lies (Ring.receive), once received
 
@@ -237,7 +238,8 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         super()._reset(loader, first_iter)
         if self._indices is not None:
             self._sampler_iter = self._indices
-        self._sampler_iter = _state.Drawn(self._sampler_iter)
+        log = self._sampler_log
+        self._sampler_iter = _state.Drawn(self._sampler_iter, on_draw=None if log is None else log.drew)
         if not first_iter:
             # A persistent worker's dataset is a copy from the first epoch: one that asks to (fastfeed.io.Shards,
             # whose set_epoch is called here) gets the main process's epoch and position with the new epoch.
@@ -251,11 +253,18 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         self._send_idx = 0
         self._rcvd_idx = 0
         self._task_info: dict[int, _Task] = {}  # tasks not yet yielded, by batch index
+        self._held: set[int] = set()  # of those, the ones answered
         self._tasks_outstanding = 0
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
         self._last_task: list[int | None] = [None] * self._num_workers  # the last task of each seen
+        # Batches delivered, by number in the epoch: every one below _frontier, and those in _ahead above it
+        # (in_order=False delivers out of order); per worker, how many it delivered (its own come in order).
+        self._frontier = 0
+        self._ahead: set[int] = set()
+        self._delivered = [0] * self._num_workers
+        self._due = None  # the rest of an epoch given explicitly (a torchdata state's), instead of the sampler's
         self._finished = False
         resume, self._resume = (self._resume if first_iter else None), None
         if self._sampler_log is not None:
@@ -264,7 +273,8 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
             self._fast_forward(loader, resume)
             return
         if resume and resume.get("sampler_state") is not None and self._sampler_log is not None:
-            self._sampler_iter = _state.Drawn(_state.resume_sampler(loader, resume["sampler_state"], True))
+            sampler_iter = _state.resume_sampler(loader, resume["sampler_state"], True)
+            self._sampler_iter = _state.Drawn(sampler_iter, on_draw=self._sampler_log.drew)
             self._sampler_log.start(resume["sampler_state"])
         self._sampler_rng = _state.sampler_rngs(self._generator)
         for _ in range(self._prefetch_factor * self._num_workers):
@@ -275,16 +285,28 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         keep = _state.sampler_rngs(self._generator)
         self._sampler_rng = resume["sampler_rng"]
         yielded = resume["yielded"]
-        if resume.get("sampler_state") is not None and self._sampler_log is not None:
-            # A stateful sampler continues from its own state, as torchdata resumes it.
-            sampler_iter = _state.resume_sampler(loader, resume["sampler_state"], yielded == 0)
-            self._sampler_iter = _state.Drawn(sampler_iter)
-            self._sampler_log.start(resume["sampler_state"], yielded)
+        # Out of order (in_order=False), the batches delivered are every one below the frontier and those ahead
+        # of it; the others are asked again, and only they are made.
+        ahead = set(resume.get("received_ahead") or ())
+        frontier = yielded - len(ahead)
+        asked = resume.get("asked", yielded)
+        if resume.get("due") is not None:  # an explicit rest of the epoch (a torchdata state's): its batches only
+            due = resume["due"] if self._auto_collation else [batch[0] for batch in resume["due"]]
+            self._sampler_iter = _state.Drawn(iter(due))
+            self._sampler_iter.replay(frontier, asked, drop=ahead)
+        elif resume.get("sampler_state") is not None and self._sampler_log is not None:
+            # A stateful sampler continues from its own state after the frontier's batches, as torchdata resumes
+            # it; those delivered ahead of the frontier are asked again, not handed out.
+            sampler_iter = _state.resume_sampler(loader, resume["sampler_state"], frontier == 0)
+            self._sampler_iter = _state.Drawn(sampler_iter, frontier, ahead, self._sampler_log.drew)
+            self._sampler_log.start(resume["sampler_state"], frontier)
         else:
             _state.restore_sampler_rngs(self._sampler_rng, self._generator)  # the same order, of which the seen
-            self._sampler_iter.replay(yielded, resume.get("asked", yielded))  # batches are skipped
+            self._sampler_iter.replay(frontier, asked, drop=ahead)  # batches are skipped
             if self._sampler_log is not None:  # (a state of version 1: the sampler's own state was not saved)
-                self._sampler_log.start(None, yielded)
+                self._sampler_log.start(None, frontier)
+        self._due = resume.get("due")
+        self._frontier, self._ahead = frontier, ahead
         self._num_yielded = yielded
         for wid, saved in enumerate(resume["workers"] or ()):  # None: thread workers, stateless
             self._workers_status[wid] = bool(saved) and not saved["state"]["ended"]
@@ -298,13 +320,9 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
 
     def _next_index(self):
         log = self._sampler_log
-        if log is None:
-            return super()._next_index()
-        if not log.states:
-            log.start()
-        index = super()._next_index()
-        log.drew()
-        return index
+        if log is not None and not log.states:
+            log.start()  # its state before this epoch's first ask (each ask notes the state after it: Drawn)
+        return super()._next_index()
 
     def state_dict(self, held_back: int = 0) -> dict:
         """This epoch's position and each worker's state (see ``DataLoader.state_dict``).
@@ -312,12 +330,10 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         ``held_back``: the last batches yielded that a device stage has not handed to the
         user yet; the state is the one from before them.
         """
-        if not self._in_order:
-            raise ValueError(_state.OUT_OF_ORDER)
         mid_epoch = not self._finished or held_back > 0
-        last_task = self._last_task
+        last_task, frontier, ahead = self._last_task, self._frontier, self._ahead
         if held_back:
-            next_worker, last_task = self._yield_log[-held_back]
+            next_worker, (last_task, frontier, ahead, _) = self._yield_log[-held_back]
         workers = dataset = None
         if self._threads:
             # Worker threads draw from the process's RNGs: they have no state of their
@@ -337,11 +353,16 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         if not held_back:
             waiting = [i for i, task in self._task_info.items() if self._workers_status[task.wid]]
             next_worker = self._task_info[min(waiting)].wid if waiting and mid_epoch else 0
-        yielded = self._num_yielded - held_back
+        map_style = self._dataset_kind == _DatasetKind.Map
+        # A map-style epoch's batches delivered (a batch whose error was raised to the user counts: it is not
+        # made again): every one below the frontier and those past it.
+        yielded = frontier + len(ahead) if map_style else self._num_yielded - held_back
         log = self._sampler_log
         sampler_state = None
-        if log is not None:
-            sampler_state = log.after(yielded) if log.states else copy.deepcopy(log.sampler.state_dict())
+        if log is not None:  # its state after the frontier's batches: those past it are asked again on resuming
+            sampler_state = log.after(frontier) if log.states else copy.deepcopy(log.sampler.state_dict())
+        # A map-style epoch's batches delivered past the frontier (in_order=False) are named; an iterable's
+        # position is each worker's own, after the last batch it delivered (a worker's batches come in its order).
         return {
             "mid_epoch": mid_epoch,
             "yielded": yielded,
@@ -354,7 +375,13 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
             "asked": self._sampler_iter.asked,
             "next_worker": next_worker,
             "workers": workers,
+            "received_ahead": sorted(ahead) if map_style and mid_epoch else [],
+            "due": self._due if mid_epoch else None,
         }
+
+    def delivered(self, held_back: int = 0) -> list[int]:
+        """Batches each worker delivered this epoch, as of ``held_back`` yields ago."""
+        return list(self._yield_log[-held_back][1][3]) if held_back else list(self._delivered)
 
     def _worker_states(self, last_task: list) -> list:
         """Ask each live worker for its state after ``last_task[worker]``, the last of its tasks the user saw.
@@ -392,6 +419,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         for task in self._task_info.values():
             self._discard(task)
         self._task_info = {}
+        self._held = set()
 
     def _discard(self, task: _Task) -> None:
         """Settle a task whose batch is not returned: its slot goes back."""
@@ -422,7 +450,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         else:
             return  # as torch: no worker can take it, and the index is dropped
         self._pool.send(wid, m.Task(self._send_idx, index))
-        self._task_info[self._send_idx] = _Task(wid, index)
+        self._task_info[self._send_idx] = _Task(wid, index, self._sampler_iter.last)
         self._workers_num_tasks[wid] += 1
         self._tasks_outstanding += 1
         self._send_idx += 1
@@ -461,6 +489,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
                 if task:
                     if task.msg is not None or self._workers_status[task.wid]:
                         break
+                    self._settle(task.number)
                     self._discard(task)
                     del self._task_info[self._rcvd_idx]
                 self._rcvd_idx += 1
@@ -475,6 +504,11 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
                 self._rcvd_idx += 1
                 return self._process(task)
 
+            if not self._in_order and self._held:
+                # Answers received while the state was asked for: each worker's come before its later ones, so
+                # that a worker's batches are delivered in its order (its state after the last one delivered is
+                # then its position).
+                return self._process(self._task_info.pop(min(self._held)))
             msg = self._get_data(task.wid)
             got = self._receive(msg)
             if got is None:
@@ -493,6 +527,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         self._tasks_outstanding -= 1
         got = self._task_info[msg.idx]
         got.msg = msg
+        self._held.add(msg.idx)
         if type(msg) is m.Done:
             if msg.nbytes:
                 got.memory = self._ring.receive(msg.slot_id, msg.made)
@@ -503,10 +538,19 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
             self._last_task[msg.worker_id] = msg.idx
             if not (self._persistent_workers or self._keep_ended):
                 self._pool.retire(msg.worker_id)
+            self._settle(got.number)
+            self._held.discard(msg.idx)
             self._discard(self._task_info.pop(msg.idx))
             self._try_put_index()
             return None
         return got
+
+    def _settle(self, number: int) -> None:
+        """Batch ``number`` of the epoch is delivered, or will never be (its worker's iterable ended)."""
+        self._ahead.add(number)
+        while self._frontier in self._ahead:
+            self._ahead.discard(self._frontier)
+            self._frontier += 1
 
     def _ready_count(self) -> int:
         """Batches received from the workers and not yet yielded (tasks known, less those unanswered)."""
@@ -535,9 +579,14 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
 
     def _process(self, task: _Task):
         msg = task.msg
+        self._held.discard(msg.idx)
         self._workers_num_tasks[task.wid] -= 1
-        before = list(self._last_task) if self._yield_log.maxlen else None
+        before = None
+        if self._yield_log.maxlen:
+            before = (list(self._last_task), self._frontier, frozenset(self._ahead), list(self._delivered))
         self._last_task[task.wid] = msg.idx
+        self._delivered[task.wid] += 1
+        self._settle(task.number)
         self._try_put_index()
         if type(msg) is m.Failed:
             self._discard(task)

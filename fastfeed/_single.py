@@ -37,6 +37,11 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         sampler = _state.sampler_of(loader)
         self._sampler_log = None if sampler is None else _state.SamplerLog(sampler, ahead + 3)
         mid_epoch = resume is not None and resume["mid_epoch"]
+        # The batches delivered before this iterator: every one below the frontier and those past it (a state
+        # saved with in_order=False by workers); this iterator delivers the others in the order they are asked.
+        self._frontier0, self._ahead0, self._yielded0 = 0, (), 0
+        self._due = None  # the rest of an epoch given explicitly (a torchdata state's)
+        on_draw = None if self._sampler_log is None else self._sampler_log.drew
         if not mid_epoch:
             keep = _state.sampler_rngs(self._generator) if base_seed is not None else None
             if resume is not None and resume["dataset"] is not None:
@@ -49,7 +54,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
                 self._sampler_iter = indices
             if resume is not None:
                 self._resume_between_epochs(loader, resume)
-            self._sampler_iter = _state.Drawn(self._sampler_iter)
+            self._sampler_iter = _state.Drawn(self._sampler_iter, on_draw=on_draw)
             self._track_dataset(ahead)
             return
         keep = _state.main_rngs(self._generator)  # resuming draws nothing the user would see
@@ -60,19 +65,29 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         self._track_dataset(ahead)
         self._sampler_rng = resume["sampler_rng"]
         yielded = resume["yielded"]
-        if resume.get("sampler_state") is not None and sampler is not None:
-            self._sampler_iter = _state.Drawn(_state.resume_sampler(loader, resume["sampler_state"], yielded == 0))
-            self._sampler_log.start(resume["sampler_state"], yielded)
+        ahead_set = frozenset(resume.get("received_ahead") or ())
+        frontier = yielded - len(ahead_set)
+        asked = resume.get("asked", yielded)
+        if resume.get("due") is not None:
+            self._due = resume["due"]
+            due = self._due if self._auto_collation else [batch[0] for batch in self._due]
+            self._sampler_iter = _state.Drawn(iter(due))
+            self._sampler_iter.replay(frontier, asked, drop=ahead_set)
+        elif resume.get("sampler_state") is not None and sampler is not None:
+            resumed = _state.resume_sampler(loader, resume["sampler_state"], frontier == 0)
+            self._sampler_iter = _state.Drawn(resumed, frontier, ahead_set, on_draw)
+            self._sampler_log.start(resume["sampler_state"], frontier)
         else:
-            self._sampler_iter = _state.Drawn(self._sampler_iter)
+            self._sampler_iter = _state.Drawn(self._sampler_iter, on_draw=on_draw)
             if self._sampler_rng is not None:
                 _state.restore_sampler_rngs(self._sampler_rng, self._generator)
                 replay = self._dataset_kind == _DatasetKind.Iterable and not self._stateful
                 # A plain iterable can only be moved forward by reading it; the asks made ahead are made again.
-                self._sampler_iter.replay(yielded, resume.get("asked", yielded),
-                                          self._dataset_fetcher.fetch if replay else None)  # fmt: skip
+                self._sampler_iter.replay(frontier, asked, self._dataset_fetcher.fetch if replay else None,
+                                          ahead_set)  # fmt: skip
             if self._sampler_log is not None:
-                self._sampler_log.start(None, yielded)
+                self._sampler_log.start(None, frontier)
+        self._frontier0, self._ahead0, self._yielded0 = frontier, ahead_set, yielded
         self._num_yielded = yielded
         _state.restore_main_rngs(keep, self._generator)
 
@@ -104,14 +119,11 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             self._sampler_rng = _state.sampler_rngs(self._generator)
         log = self._sampler_log
         if log is not None and not log.states:
-            log.start()
+            log.start()  # its state before this epoch's first ask (each ask notes the state after it: Drawn)
         if self._dataset_log is not None and not self._dataset_log:
             self._log_dataset()  # its state before this epoch's (or this resumed run's) first batch
         if self._prefetch is None:
-            index = next(self._sampler_iter)
-            if log is not None:
-                log.drew()
-            return index
+            return next(self._sampler_iter)
         # The read-ahead protocol: the dataset hears of this batch's samples and the next one's before they
         # are read, so its reads run while the step does.
         if self._ahead is None:
@@ -126,8 +138,6 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             index = next(self._sampler_iter)
         except StopIteration:
             return _END
-        if self._sampler_log is not None:
-            self._sampler_log.drew()
         self._prefetch(readahead.indices_of(index, self._auto_collation))
         return index
 
@@ -170,13 +180,14 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
                 dataset, dataset_iter = self._dataset_log[-1 - held_back]
             else:
                 dataset, dataset_iter = _state.dataset_positions(self._dataset, self._dataset_fetcher)
-        yielded = self._num_yielded - held_back
+        mid_epoch = not self._finished or held_back > 0
+        frontier, ahead = _state.advance(self._frontier0, self._ahead0, self._num_yielded - held_back - self._yielded0)
         log = self._sampler_log
         if log is not None:
-            sampler_state = log.after(yielded) if log.states else copy.deepcopy(log.sampler.state_dict())
+            sampler_state = log.after(frontier) if log.states else copy.deepcopy(log.sampler.state_dict())
         return {
-            "mid_epoch": not self._finished or held_back > 0,
-            "yielded": yielded,
+            "mid_epoch": mid_epoch,
+            "yielded": frontier + len(ahead),
             "sampler_rng": self._sampler_rng,
             "sampler_state": sampler_state,
             "base_seed": self._base_seed,
@@ -186,4 +197,6 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             "asked": self._sampler_iter.asked,
             "next_worker": 0,
             "workers": None,
+            "received_ahead": sorted(ahead) if mid_epoch else [],
+            "due": self._due if mid_epoch else None,
         }

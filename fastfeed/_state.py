@@ -16,17 +16,9 @@ import ctypes
 import itertools
 import random
 import sys
+import warnings
 
 import torch
-
-# Why a mid-epoch state is refused with in_order=False, for every kind of dataset (the loader's and the iterator's
-# refusals say the same).
-OUT_OF_ORDER = (
-    "DataLoader.state_dict() mid-epoch needs in_order=True: with in_order=False batches arrive in the order the "
-    "workers finish them, so the batches received are not the epoch's first ones and no saved position resumes "
-    "the epoch exactly. Build the loader with in_order=True to checkpoint mid-epoch."
-)
-
 
 def is_stateful(obj) -> bool:
     """An object that saves and restores its own position (``state_dict()``/``load_state_dict()``), as torchdata's
@@ -88,8 +80,9 @@ class SamplerLog:
         self.states = {draws: copy.deepcopy(self.sampler.state_dict()) if state is None else state}
         self.draws = draws
 
-    def drew(self) -> None:
-        self.draws += 1
+    def drew(self, asked: int | None = None) -> None:
+        """The sampler was asked once more (``asked``: its asks this epoch now, where the caller counts them)."""
+        self.draws = self.draws + 1 if asked is None else asked
         self.states[self.draws] = copy.deepcopy(self.sampler.state_dict())
         self.states.pop(self.draws - self.keep, None)
 
@@ -126,36 +119,72 @@ class Drawn:
     an epoch is taken). The loader's state holds the RNGs as they are when it is taken, after the asks made for
     tasks still in flight; a resumed epoch makes those asks again with the RNGs put back (``replay``), so that
     they draw nothing twice.
+
+    Asks are numbered from the epoch's first (``start``: the number of the source's first, where a resumed
+    sampler continues from its own state); ``last`` is the number of the index handed out last, which names its
+    batch in the epoch whatever order batches are delivered in (``in_order=False``).
     """
 
-    def __init__(self, source):
+    def __init__(self, source, start: int = 0, drop=(), on_draw=None):
+        """``drop``: numbers of asks whose batches were delivered already (out of order): asked, not handed out.
+        ``on_draw(asked)``: called after each ask of the source (a ``SamplerLog`` notes the sampler's state)."""
         self.source = source
-        self.asked = 0  # of the source
-        self.kept: collections.deque = collections.deque()  # indices asked again on resuming, for their tasks
+        self.asked = start  # of the source, numbered in the epoch
+        self.last = start - 1
+        self.drop = drop
+        self.on_draw = on_draw
+        self.kept: collections.deque = collections.deque()  # (number, index) asked again on resuming, for tasks
 
     def __iter__(self):
         return self
 
     def __next__(self):
         if self.kept:
-            return self.kept.popleft()
-        self.asked += 1
-        return next(self.source)
+            self.last, index = self.kept.popleft()
+            return index
+        while True:
+            index = next(self.source)
+            number = self.asked
+            self.asked += 1
+            if self.on_draw is not None:
+                self.on_draw(self.asked)
+            if number not in self.drop:
+                self.last = number
+                return index
 
-    def replay(self, skip: int, asked: int, fetch=None) -> None:
-        """Ask ``asked`` indices again: the first ``skip`` are dropped (``fetch(index)`` each), the rest kept for
-        the tasks they were taken for."""
-        for n in range(max(skip, asked)):
+    def replay(self, skip: int, asked: int, fetch=None, drop=()) -> None:
+        """Ask again up to number ``asked``: those numbered below ``skip`` are dropped (``fetch(index)`` each), and
+        so are those in ``drop`` (batches delivered out of order); the rest are kept for the tasks they were
+        taken for."""
+        while self.asked < max(skip, asked):
+            number = self.asked
             self.asked += 1
             try:
                 index = next(self.source)
             except StopIteration:
                 break
-            if n < skip:
+            if self.on_draw is not None:
+                self.on_draw(self.asked)
+            if number < skip:
                 if fetch is not None:
                     fetch(index)
-            else:
-                self.kept.append(index)
+            elif number not in drop:
+                self.kept.append((number, index))
+
+
+def advance(frontier: int, ahead, delivered: int) -> tuple[int, frozenset]:
+    """The batches delivered, as (frontier, those past it), after ``delivered`` more were delivered in order from
+    ``frontier``, passing over those in ``ahead`` (delivered before)."""
+    past = sorted(ahead)
+    i = 0
+    while True:
+        if i < len(past) and past[i] == frontier:
+            frontier, i = frontier + 1, i + 1
+        elif delivered and i < len(past):
+            step = min(delivered, past[i] - frontier)  # the run up to the next one delivered before
+            frontier, delivered = frontier + step, delivered - step
+        else:
+            return frontier + delivered, frozenset(past[i:])
 
 
 def _chain(first, rest):
@@ -278,9 +307,12 @@ def rngs_to_plain(snap: tuple) -> dict:
 
 
 def restore_rngs(plain: dict) -> None:
-    """Set the global RNGs to a state made by ``rngs_to_plain``."""
-    torch.set_rng_state(plain["torch"])
-    random.setstate(plain["random"])
+    """Set the global RNGs to a state made by ``rngs_to_plain``. An RNG whose state is None is left as it is (a
+    state translated from torchdata's, which saves none for workers)."""
+    if plain["torch"] is not None:
+        torch.set_rng_state(plain["torch"])
+    if plain["random"] is not None:
+        random.setstate(plain["random"])
     np = _numpy()
     if plain["numpy"] is not None:
         if np is None:
@@ -333,7 +365,7 @@ def _rngs_out(plain: dict | None) -> dict | None:
     out["torch"] = _bytes_out(plain["torch"])
     if "generator" in plain:
         out["generator"] = _bytes_out(plain["generator"])
-    if "random" in plain:
+    if plain.get("random") is not None:
         version, internal, gauss = plain["random"]
         out["random"] = [version, list(internal), gauss]
     if plain.get("numpy") is not None:
@@ -350,7 +382,7 @@ def _rngs_in(coded: dict | None) -> dict | None:
     out["torch"] = _bytes_in(coded["torch"])
     if "generator" in coded:
         out["generator"] = _bytes_in(coded["generator"])
-    if "random" in coded:
+    if coded.get("random") is not None:
         version, internal, gauss = coded["random"]
         out["random"] = (int(version), tuple(internal), gauss)
     if coded.get("numpy") is not None:
@@ -366,18 +398,104 @@ def _rngs_in(coded: dict | None) -> dict | None:
 def _workers(workers, convert):
     if workers is None:
         return None
-    return [None if w is None else dict(w, state=convert(w["state"]), epoch_start=convert(w["epoch_start"]))
-            for w in workers]  # fmt: skip
+    return tuple(None if w is None else dict(w, state=convert(w["state"]), epoch_start=convert(w["epoch_start"]))
+                 for w in workers)  # fmt: skip
+
+
+# A state has these keys at every point (a fresh loader, mid-epoch, between epochs, loaded): a checkpointer that
+# loads into the live object's state_dict(), as torch.distributed.checkpoint does, finds each one in the saved state.
+KEYS = ("version", "epochs", "rng", "mid_epoch", "yielded", "sampler_rng", "sampler_state", "base_seed", "dataset",
+        "dataset_iter", "shards", "num_workers", "asked", "next_worker", "workers", "received_ahead", "due")
+NO_SAMPLER_RNG = {"torch": None, "generator": None}  # not drawn yet: the same keys as a drawn one's
 
 
 def encode(state: dict) -> dict:
-    """A loader state with its RNG states as base64 strings and lists of ints: ``json.dumps`` takes it whole."""
-    return dict(state, rng=_rngs_out(state["rng"]), sampler_rng=_rngs_out(state["sampler_rng"]),
-                workers=_workers(state["workers"], _rngs_out))  # fmt: skip
+    """A loader state with its RNG states as base64 strings and lists of ints: ``json.dumps`` takes it whole.
+
+    Its structure is the same at every point: every key of ``KEYS``, the RNG dicts with their fixed keys, and the
+    parts whose shape varies with the epoch's progress (the workers' states) in a tuple, which
+    torch.distributed.checkpoint stores as one value, as it does a string or an int (it would flatten a dict or a
+    list of dicts into keys of their own, which a fresh loader's state would then lack).
+    """
+    state = dict(state, rng=_rngs_out(state["rng"]), sampler_rng=_rngs_out(state.get("sampler_rng")) or NO_SAMPLER_RNG,
+                 workers=_workers(state.get("workers"), _rngs_out),
+                 received_ahead=[int(t) for t in state.get("received_ahead") or ()],
+                 due=None if state.get("due") is None else [[int(i) for i in b] for b in state["due"]])  # fmt: skip
+    for key in KEYS:
+        state.setdefault(key, None)
+    return {key: state[key] for key in KEYS}
 
 
 def decode(state: dict) -> dict:
     """``encode``'s inverse: tensors and tuples again, from JSON's lists or ``torch.load``'s values alike."""
     state = copy.deepcopy(state)  # what the loader keeps is its own: the caller's dict stays as it was
-    return dict(state, rng=_rngs_in(state["rng"]), sampler_rng=_rngs_in(state.get("sampler_rng")),
-                workers=_workers(state.get("workers"), _rngs_in))  # fmt: skip
+    sampler_rng = state.get("sampler_rng")
+    if sampler_rng is not None and all(v is None for v in sampler_rng.values()):
+        sampler_rng = None
+    return dict(state, rng=_rngs_in(state["rng"]), sampler_rng=_rngs_in(sampler_rng),
+                workers=_workers(state.get("workers"), _rngs_in),
+                received_ahead=tuple(state.get("received_ahead") or ()), due=state.get("due"))  # fmt: skip
+
+
+# -- a job of several ranks ---------------------------------------------------------------------------------------
+
+
+def _job() -> tuple[int, int] | None:
+    """``(rank, world size)`` in an initialised process group of several ranks, else None."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.get_world_size()
+    return (dist.get_rank(), world) if world > 1 else None
+
+
+def for_job(state: dict) -> dict:
+    """The state ``state_dict()`` returns: in a job of several ranks, this rank's under its own key.
+
+    torch.distributed.checkpoint writes a non-tensor value saved under the same key by several ranks once, and
+    every rank reads that one back: each rank's position and RNGs would become one rank's. Under a key per rank,
+    each reads its own (as torchtitan keys its loaders' states by data-parallel rank).
+    """
+    job = _job()
+    if job is None:
+        return state
+    rank, world = job
+    return {"version": state["version"], "world_size": world, "ranks": {str(rank): state}}
+
+
+def own_of(state: dict, global_position: bool, sampler_position) -> dict:
+    """This rank's state from what ``load_state_dict`` was given (a job's, or one process's).
+
+    ``global_position``: the dataset's position is the job's, not the rank's (``fastfeed.io.Shards``), so a rank
+    may continue from another rank's state, on another world size too (a checkpoint of 4 ranks loaded by 2).
+    ``sampler_position(state)``: whether a state's position is its sampler's alone (a map-style dataset without
+    state of its own), which a rank may take from another rank's state of a job of the same size: Lightning saves
+    rank 0's loader state only, and every rank loads it.
+    """
+    if not isinstance(state, dict) or "ranks" not in state:
+        return state
+    ranks = state["ranks"]
+    if not isinstance(ranks, dict) or not ranks:
+        raise ValueError(f"DataLoader.load_state_dict(): this state's 'ranks' holds no rank's state ({ranks!r})")
+    job = _job()
+    rank, world = job if job is not None else (0, 1)
+    saved_world = state.get("world_size")
+    own = ranks.get(str(rank))
+    if own is not None and (saved_world == world or global_position):
+        return own
+    other = ranks[min(ranks, key=int)]
+    if global_position:
+        return other
+    if saved_world == world and sampler_position(other):
+        warnings.warn(
+            f"DataLoader.load_state_dict(): this state holds rank {min(ranks, key=int)}'s position and not rank "
+            f"{rank}'s (a checkpoint of one rank's state, as Lightning saves): this rank's sampler continues the "
+            f"epoch at the same batch, with rank {min(ranks, key=int)}'s random streams", stacklevel=3)  # fmt: skip
+        return other
+    raise ValueError(
+        f"DataLoader.load_state_dict(): this state was saved by a job of {saved_world} ranks and holds the states "
+        f"of ranks {sorted(ranks, key=int)}; this is rank {rank} of {world}. This loader's position is each rank's "
+        f"own, for its world size: load each rank's own state in a job of the same size "
+        f"(torch.distributed.checkpoint saves every rank's). Only fastfeed.io.Shards continues on another world "
+        f"size."
+    )

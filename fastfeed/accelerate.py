@@ -29,7 +29,7 @@ import sys
 import warnings
 import weakref
 
-from . import _hooks
+from . import _hooks, _state
 from .loader import DataLoader  # the watcher depends on the loader, never the reverse (the loader calls _hooks)
 
 MODULE = "accelerate.data_loader"
@@ -134,9 +134,6 @@ def _cannot_keep(source, stateful: bool) -> str | None:
     """Why Accelerate's mode needs its own loader class for ``source``, or None."""
     if not stateful:
         return None
-    if not source.in_order:
-        return ("use_stateful_dataloader saves the loader's position, and fastfeed's state needs in_order=True "
-                "(out of order, batches depend on timing). Pass in_order=True to keep fastfeed.")  # fmt: skip
     from torch.utils.data import IterableDataset
 
     if source.worker_type == "thread" and isinstance(source.dataset, IterableDataset) and source.num_workers:
@@ -178,7 +175,7 @@ def _state_on_demand(adapter) -> None:
     def state_dict():
         it, handed = base._handed()
         noted = None if mark["it"] is None else mark["it"]()
-        state = base._state_before(handed - mark["handed"] if noted is it and it is not None else 0)
+        state = _state.for_job(base._state_before(handed - mark["handed"] if noted is it and it is not None else 0))
         state["_iterator_finished"] = mark["finished"]  # as Accelerate tags its own
         return state
 

@@ -19,7 +19,7 @@ import torch
 import torch.utils.data
 from torch.utils.data import IterDataPipe, MapDataPipe, _DatasetKind
 
-from . import _hooks, _state, affinity, stats, transfer
+from . import _from_torchdata, _hooks, _state, affinity, stats, transfer
 from ._iterator import RingDataLoaderIter
 from ._ring.ring import Ring
 from ._single import SingleProcessIter
@@ -31,8 +31,10 @@ from .io import direct
 from .tuning import auto as tuning_auto
 from .tuning.online import TuningIter
 
-STATE_VERSION = 2
-STATE_VERSIONS = (1, 2)  # what load_state_dict reads: 1 held tensors and tuples where 2 holds JSON's values
+STATE_VERSION = 3
+# What load_state_dict reads: 1 held tensors and tuples where 2 holds JSON's values; 3 has the same keys at every
+# point, and a job's state keys each rank's.
+STATE_VERSIONS = (1, 2, 3)
 
 _T_co = TypeVar("_T_co", covariant=True)  # what the loader yields, as torch's DataLoader[_T_co]
 
@@ -293,10 +295,14 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
 
         The state is JSON's values only: ``json.dumps`` takes it, and so do
         ``torch.save`` / ``torch.load(weights_only=True)``. ``load_state_dict`` takes
-        it back from either (and states of version 1, which held tensors)::
+        it back from either (and states of versions 1, which held tensors, and 2, and
+        states saved by torchdata's ``StatefulDataLoader``). It has the same keys at
+        every point, so that ``torch.distributed.checkpoint`` can load it into a fresh
+        loader's; in an initialised process group of several ranks it is
+        ``{"version": 3, "world_size": W, "ranks": {"<rank>": <this>}}``::
 
             {
-              "version": 2,
+              "version": 3,
               "epochs": int,          # iter() calls so far, this one included
               "rng": {                # the main process's RNGs now (restored by load_state_dict)
                 "torch": str,         # torch.get_rng_state()'s bytes, base64
@@ -305,8 +311,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                 "generator": str | None},                    # loader.generator's state, base64
               "mid_epoch": bool,      # False: between epochs
               "yielded": int,         # k, batches the user received this epoch
-              "sampler_rng": {"torch": str, "generator": str | None} | None,
-                                      # what the sampler drew from, just before its first index
+              "sampler_rng": {"torch": str | None, "generator": str | None},
+                                      # what the sampler drew from, just before its first index (None: not yet)
               "sampler_state": object, # a stateful sampler's state_dict() after batch k (else None)
               "base_seed": int,       # the epoch iterator's worker base seed
               "dataset": object,      # a stateful dataset's state_dict() (num_workers=0, worker threads)
@@ -315,14 +321,18 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
               "num_workers": int,
               "asked": int,           # indices asked of the sampler this epoch (some for tasks in flight)
               "next_worker": int,     # the worker whose task comes next (round robin)
-              "workers": None | [     # None with num_workers=0 or between non-persistent epochs
+              "received_ahead": [int], # in_order=False: batches received past the first yielded - len(this)
+              "due": [[int]] | None,  # the epoch's remaining batches' indices, where its order is not the
+                                      # sampler's (a torchdata state's)
+              "workers": None | (     # a tuple (one value for DCP); None with num_workers=0 or between
+                                      # non-persistent epochs
                 None                  # a worker whose iterable ended and that has exited
                 | {"state": {"torch", "random", "numpy",   # its RNGs after its last task seen, as "rng"'s
                              "dataset", "dataset_iter",    # its stateful dataset's (iterator's) state_dict()
                              "batches": int,               # batches it made this epoch
                              "ended": bool},               # its iterable ended
                    "epoch_start": {"torch", "random", "numpy"}}  # its RNGs at the epoch's start
-              ],
+              ),
             }
 
         Samplers with ``state_dict()`` and ``load_state_dict()`` (torchdata's ``Stateful``)
@@ -340,10 +350,11 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         (positions are the sampler's; the workers' random streams start afresh from the
         epoch's base seed). Where positions are the workers' own (an IterableDataset's
         shards mid-epoch, a stateful dataset's per-worker state), ``load_state_dict``
-        raises ``ValueError`` instead. Needs ``in_order=True``. Calling it with workers
-        waits for the tasks they hold.
+        raises ``ValueError`` instead. With ``in_order=False`` the state names the
+        batches delivered (``yielded`` and ``received_ahead``), and a resume makes each
+        of the others once. Calling it with workers waits for the tasks they hold.
         """
-        return self._state_before(0)
+        return _state.for_job(self._state_before(0))
 
     def _latest(self) -> tuple[object, int]:
         """The latest epoch's iterator, and the batches it yielded that its device stage has not handed on yet."""
@@ -378,11 +389,11 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         """The state of a dataset whose position is the rank's batches received (``fastfeed.io.Shards``): no
         worker's state enters it, so it continues with any ``num_workers`` (and, for Shards, any world size)."""
         mid_epoch = it is not None and (not it._finished or held_back > 0)
-        if mid_epoch and not getattr(it, "_in_order", True):  # the batches received are not the epoch's first
-            raise ValueError(_state.OUT_OF_ORDER)
         yielded = it._num_yielded - held_back if mid_epoch else None
+        # Out of order, the batches received are not the epoch's first: each worker's delivered count says which.
+        delivered = it.delivered(held_back) if mid_epoch and not getattr(it, "_in_order", True) else None
         return dict(self._between_epochs(own_state=False), mid_epoch=mid_epoch, yielded=yielded or 0,
-                    shards=self.dataset._ff_position(yielded))  # fmt: skip
+                    shards=self.dataset._ff_position(yielded, delivered))  # fmt: skip
 
     def _between_epochs(self, own_state: bool = True) -> dict:
         """The position between epochs: the sampler's state, and the dataset's where this process iterates it
@@ -406,9 +417,15 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         Raises ``ValueError`` where the state cannot continue with this loader's
         ``num_workers`` (see ``state_dict``).
         """
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"DataLoader.load_state_dict() takes the dict state_dict() returned, got "
+                            f"{type(state_dict).__name__}")  # fmt: skip
+        state_dict = _state.own_of(state_dict, _positions_in_order(self.dataset), self._sampler_position)
+        if _from_torchdata.is_torchdata_state(state_dict):  # a run switching from torchdata's loader
+            state_dict = _from_torchdata.translate(state_dict, self)
         if state_dict.get("version") not in STATE_VERSIONS:
             raise ValueError(f"unknown DataLoader state version {state_dict.get('version')!r}: this fastfeed reads "
-                             f"versions {STATE_VERSIONS}")  # fmt: skip
+                             f"versions {STATE_VERSIONS} (and torchdata StatefulDataLoader's states)")  # fmt: skip
         state = _state.decode(state_dict)
         if state.get("shards") is not None:
             if not _positions_in_order(self.dataset):
@@ -424,6 +441,14 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         _state.restore_main_rngs(state["rng"], self.generator)
         self._ff_epochs = state["epochs"] - (1 if state["mid_epoch"] else 0)
         self._ff_resume = state
+
+    def _sampler_position(self, state: dict) -> bool:
+        """Whether a saved state's position is its sampler's alone (see ``_state.own_of``): a map-style dataset
+        without state of its own, delivered in order."""
+        if self._dataset_kind != _DatasetKind.Map or state.get("received_ahead"):
+            return False
+        own = [state] + [w["state"] for w in state.get("workers") or () if w is not None]
+        return all(s.get("dataset") is None and s.get("dataset_iter") is None for s in own)
 
     def _fit_workers(self, state: dict) -> dict:
         """``state`` for this loader's ``num_workers``, or ValueError where positions are per worker."""

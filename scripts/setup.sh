@@ -2,7 +2,8 @@
 # Creates .venv (once) and installs torch 2.13 (the CPU wheel on this machine's disk),
 # the test tools, Pillow (for benchmarks/jpeg.py), the [plot], [nvml], [remote] and [dali] extras (the doctor's PNG,
 # its no-driver path, remote reads over HTTP and S3 and DALI's CPU pipelines are tested), Hugging Face Accelerate and
-# torchdata (fastfeed through Accelerate.prepare is tested against them),
+# torchdata (fastfeed through Accelerate.prepare is tested against them), Lightning (checkpoint/resume through
+# Trainer.fit is tested),
 # webdataset (tar shards are read and written both ways), moto's S3 server (fastfeed.io.Shards on S3), Ray (actor
 # workers on a local cluster) and fastfeed itself, built from csrc/.
 # Safe to re-run: it only rebuilds the extension.
@@ -11,9 +12,9 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-if ! .venv/bin/python -c "import torch, numpy, pytest, pytest_timeout, hypothesis, pybind11, PIL, tqdm, matplotlib, pynvml, fsspec, aiohttp, nvidia.dali, accelerate, torchdata, webdataset, moto.server, s3fs, ray, psutil" 2>/dev/null; then
+if ! .venv/bin/python -c "import torch, numpy, pytest, pytest_timeout, hypothesis, pybind11, PIL, tqdm, matplotlib, pynvml, fsspec, aiohttp, nvidia.dali, accelerate, torchdata, webdataset, moto.server, s3fs, ray, psutil, lightning" 2>/dev/null; then
   .venv/bin/pip install -q --disable-pip-version-check \
-    "torch==2.13.0" numpy pytest pytest-timeout hypothesis pillow tqdm matplotlib nvidia-ml-py fsspec aiohttp nvidia-dali-cuda120 accelerate torchdata webdataset "moto[server]" s3fs ray psutil "pybind11>=2.12" "setuptools>=64" wheel
+    "torch==2.13.0" numpy pytest pytest-timeout hypothesis pillow tqdm matplotlib nvidia-ml-py fsspec aiohttp nvidia-dali-cuda120 accelerate torchdata webdataset "moto[server]" s3fs ray psutil lightning "pybind11>=2.12" "setuptools>=64" wheel
 fi
 # No build isolation: the build uses the pybind11 and setuptools just installed,
 # so it needs no network and takes seconds.

@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+import _datasets
 import fastfeed
 
 accelerate = pytest.importorskip("accelerate")
@@ -149,16 +150,18 @@ def test_a_stateful_iterable_resumes_from_its_own_state_behind_accelerates_read_
 
 
 def test_a_stateful_mode_fastfeed_cannot_serve_warns_and_uses_accelerates_loader(accelerator):
-    """use_stateful_dataloader with in_order=False: a warning that says why and what to change, and torchdata's
-    StatefulDataLoader, as Accelerate would build; in_order=True keeps fastfeed without a warning."""
+    """use_stateful_dataloader over worker threads and an iterable (whose per-worker position cannot be saved): a
+    warning that says why and what to change, and torchdata's StatefulDataLoader, as Accelerate would build;
+    in_order=False keeps fastfeed without a warning (its state names the batches received out of order)."""
     pytest.importorskip("torchdata")
     prepare = accelerator(use_stateful_dataloader=True).prepare
-    with pytest.warns(UserWarning, match="in_order=True to keep fastfeed"):
-        dl = prepare(fastfeed.DataLoader(Squares(), batch_size=4, num_workers=1, in_order=False))
+    with pytest.warns(UserWarning, match="worker_type='process' to keep fastfeed"):
+        dl = prepare(fastfeed.DataLoader(_datasets.ShardedIterable(8), batch_size=4, num_workers=1,
+                                         worker_type="thread"))  # fmt: skip
     assert type(dl.base_dataloader).__name__ == "StatefulDataLoader"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        dl = prepare(fastfeed.DataLoader(Squares(), batch_size=4, num_workers=1))
+        dl = prepare(fastfeed.DataLoader(Squares(), batch_size=4, num_workers=1, in_order=False))
     assert isinstance(dl.base_dataloader, fastfeed.DataLoader)
 
 

@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 
+import json
+
 import pytest
 import torch
 
@@ -157,14 +159,19 @@ def test_stateful_iterable_persistent_workers(tmp_path):
     resume_in_new_process("stateful:nw=2,persistent=1", 1, 3, tmp_path)
 
 
-def test_out_of_order_refuses():
-    """With in_order=False there is no reproducible position, so state_dict() raises ValueError."""
-    loader = _candidate.DataLoader(ds.PlainDataset(8), batch_size=2, num_workers=2, in_order=False)
+def test_out_of_order_resumes_every_batch_not_received_once():
+    """With in_order=False the state names the batches received (the first k and those past them): a new loader
+    makes the others, each once, and the next epoch whole."""
+    loader = _candidate.DataLoader(ds.PlainDataset(40), batch_size=2, num_workers=2, in_order=False)
     it = iter(loader)
-    next(it)
-    with pytest.raises(ValueError, match="in_order"):
-        loader.state_dict()
+    seen = [x for _ in range(5) for x in next(it)["index"].tolist()]
+    state = json.loads(json.dumps(loader.state_dict()))
     del it
+    again = _candidate.DataLoader(ds.PlainDataset(40), batch_size=2, num_workers=2, in_order=False)
+    again.load_state_dict(state)
+    rest = [x for b in again for x in b["index"].tolist()]
+    assert sorted(seen + rest) == list(range(40))
+    assert sorted(x for b in again for x in b["index"].tolist()) == list(range(40))
 
 
 def test_fresh_loader_state_restarts_from_the_first_epoch():

@@ -353,15 +353,6 @@ def test_version_1_tensor_states_still_load():
     assert_same(seen + [copy_batch(b) for b in other], ref)
 
 
-def test_out_of_order_still_refuses():
-    """in_order=False has no reproducible position: state_dict() keeps raising its ValueError, after a break too."""
-    loader = FF(ds.PlainDataset(8), batch_size=2, num_workers=2, in_order=False)
-    for _ in loader:
-        break
-    with pytest.raises(ValueError, match="in_order=True"):
-        loader.state_dict()
-
-
 @pytest.mark.parametrize("resume", [False, True])
 def test_failing_worker_init_fn_raises_at_first_next(resume):
     """A worker_init_fn that raises surfaces at the first next(), as torch's does, resumed or not."""

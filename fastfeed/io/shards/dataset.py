@@ -14,6 +14,7 @@ place. A sample is read from its shard by the byte range the index gives and par
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import stat
 import sys
@@ -23,6 +24,7 @@ from collections import OrderedDict
 
 from torch.utils.data import IterableDataset, get_worker_info
 
+from ..._state import advance
 from .. import remote
 from . import order, topology
 from .errors import ShardError
@@ -178,6 +180,16 @@ class Shards(IterableDataset):
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"fastfeed.io.Shards.load_state_dict: unknown state version {state.get('version')!r}; "
                              f"this fastfeed reads version {STATE_VERSION}")  # fmt: skip
+        if state.get("rank") is not None:
+            rank, world = topology.ranks(self._rank, self._world, self._frozen)
+            if (state["rank"], state["world"]) != (rank, world):
+                raise ValueError(
+                    f"fastfeed.io.Shards.load_state_dict: this position was saved with in_order=False by rank "
+                    f"{state['rank']} of {state['world']}, and this is rank {rank} of {world}. Batches delivered out "
+                    f"of order are each rank's own, so it continues only on its own rank of a job of the same size: "
+                    f"load each rank's own state (torch.distributed.checkpoint saves every rank's), or save with "
+                    f"in_order=True to resume on another world size."
+                )
         mine = self._identity()
         for name, value in mine.items():
             if state.get(name) != value:
@@ -204,12 +216,29 @@ class Shards(IterableDataset):
         if epoch_starts:
             self._begin()
 
-    def _ff_position(self, yielded: int | None) -> dict:
-        """The rank's position after the user received ``yielded`` batches of this epoch (None: between epochs)."""
+    def _ff_position(self, yielded: int | None, delivered: list | None = None) -> dict:
+        """The rank's position after the user received ``yielded`` batches of this epoch (None: between epochs).
+
+        ``delivered``: with ``in_order=False``, how many batches each worker delivered; worker w of n makes the
+        w-th, (w+n)-th, ... of the batches still to make, and delivers its own in that order, so these counts say
+        which batches were received. The position is then the first batch not received and those received past
+        it, and it is this rank's alone: other ranks received others.
+        """
         if yielded is None:
             return self._state(0, 0, None)
-        batch, within = self._start[:2] if self._start is not None else (0, 0)
-        return self._state(batch + yielded, 0 if yielded else within, None)
+        batch, within, ahead = (self._start[0], self._start[1], self._start[5]) if self._start else (0, 0, ())
+        if delivered is None:
+            frontier, past = advance(batch, ahead, yielded)
+            return self._state(frontier, 0 if yielded else within, None, past)
+        n = len(delivered)
+        got = set(ahead)
+        still = (b for b in itertools.count(batch) if b not in ahead)
+        for k, b in enumerate(itertools.islice(still, n * max(delivered, default=0))):
+            if k // n < delivered[k % n]:
+                got.add(b)
+        frontier, past = advance(batch, got, 0)
+        rank = topology.ranks(self._rank, self._world, self._frozen)[0]
+        return self._state(frontier, within if frontier == batch and not past else 0, None, past, rank)
 
     def _ff_worker_sync(self) -> dict:
         """What a persistent worker's copy must take from this one at a new epoch."""
@@ -231,9 +260,10 @@ class Shards(IterableDataset):
         self._start = None
         if pending is not None and pending["epoch"] == self.epoch:
             self._check_global_batch(pending)
-            if pending["batch"] or pending["within"]:
+            ahead = frozenset(pending.get("ahead") or ())
+            if pending["batch"] or pending["within"] or ahead:
                 self._start = (pending["batch"], pending["within"], pending.get("worker"), pending["global_batch"],
-                               pending["world"])
+                               pending["world"], ahead)
 
     def __iter__(self):
         if self._pending is not None:  # loaded, and not set up by fastfeed.DataLoader: the position starts here
@@ -251,10 +281,13 @@ class Shards(IterableDataset):
         n = self.index.n_samples
         first = _first_batch(start, w, nw)
         within = start[1] if start is not None and first == start[0] else 0
+        batches = range(first, split.batches, nw)
+        if start is not None and start[5]:  # batches received out of order are made no more; the rest dealt out
+            batches = itertools.islice((b for b in range(start[0], split.batches) if b not in start[5]), w, None, nw)
         reader = _Reader(self, epoch, split)
         progress = self._progress
         try:
-            for batch in range(first, split.batches, nw):
+            for batch in batches:
                 positions = split.positions(batch)
                 for t in range(within, len(positions)):
                     p = positions[t]
@@ -307,12 +340,15 @@ class Shards(IterableDataset):
         return {"fingerprint": self.index.fingerprint, "seed": self.seed, "shuffle": self.shuffle,
                 "shuffle_window": self.shuffle_window}  # fmt: skip
 
-    def _state(self, batch: int, within: int, worker) -> dict:
-        rank, world = topology.ranks(self._rank, self._world, self._frozen)
+    def _state(self, batch: int, within: int, worker, ahead=(), rank: int | None = None) -> dict:
+        """``ahead``: batches past ``batch`` received already (in_order=False); ``rank``: the rank whose position it
+        is alone (in_order=False), else None."""
+        world = topology.ranks(self._rank, self._world, self._frozen)[1]
         batch_size = self._batch_size()
         return {"format": STATE_FORMAT, "version": STATE_VERSION, **self._identity(), "epoch": self.epoch,
                 "batch": int(batch), "within": int(within), "worker": worker,
-                "global_batch": batch_size * world, "world": world}  # fmt: skip
+                "global_batch": batch_size * world, "world": world, "ahead": sorted(int(b) for b in ahead),
+                "rank": rank}  # fmt: skip
 
     def _check_global_batch(self, state: dict, batch_size: int | None = None) -> None:
         if batch_size is None:
