@@ -119,3 +119,28 @@ def test_save_state_load_state_resumes_a_stateful_iterable_dataset_from_its_own_
     assert saved == full[:K]
     assert resumed == full[K:], (full, resumed)
     assert sorted(i for batch in full[: len(full) // EPOCHS] for i, _ in batch) == list(range(N))
+
+
+class EverySeventhSlow(ds.IndexMap):
+    """Item i is i; every seventh takes 20 ms, so two workers finish batches out of order."""
+
+    def __getitem__(self, i):
+        if i % 7 == 0:
+            import time
+
+            time.sleep(0.02)
+        return i
+
+
+def test_save_state_load_state_out_of_order_resumes_every_sample_not_received_once(tmp_path):
+    """in_order=False keeps fastfeed's loader under use_stateful_dataloader (torchdata's repeats samples there):
+    save_state after K batches, load_state in a new run: the batches received and the resumed ones hold every
+    sample of the epoch once, and the next epoch is whole. Accelerate reads one batch ahead of its user, so the
+    state is the one as of the batches the user had."""
+    full, saved, resumed = save_then_load("fastfeed", lambda: EverySeventhSlow(N * 3), 2, tmp_path / "state",
+                                          shuffle=True, in_order=False)  # fmt: skip
+    per_epoch = len(full) // EPOCHS
+    assert len(saved) == K
+    rest, following = resumed[: len(resumed) - per_epoch], resumed[len(resumed) - per_epoch:]
+    assert sorted(sum(saved, []) + sum(rest, [])) == list(range(N * 3))
+    assert sorted(sum(following, [])) == list(range(N * 3))

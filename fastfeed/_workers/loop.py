@@ -236,7 +236,12 @@ def worker_main(worker_id, spec: WorkerSpec, parent_pid, resume, task_conn, resu
         torch_worker._worker_info = torch_worker.WorkerInfo(
             id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=dataset
         )
-        control = Control.attach(spec.control, spec.prefix)
+        try:
+            control = Control.attach(spec.control, spec.prefix)
+        except FileNotFoundError:
+            # The epoch ended, and its ring was unlinked, before this worker started (a resumed epoch with
+            # nothing left ends while the later workers are still forked): there is nothing to serve.
+            return
         writer = SlotWriter(control, lambda claimed: segments.attach(claimed.name), node_of(spec))
         get = _pipe_reader(task_conn, parent_pid)
         serve(worker_id, spec, dataset, writer, get, lambda msg: result_conn.send_bytes(m.dumps(msg)), resume)

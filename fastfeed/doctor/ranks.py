@@ -70,6 +70,7 @@ class RankSplit:
     computes: list[float] = field(default_factory=list)
     aligned: list[float] = field(default_factory=list)  # the alignment measure alone, per step
     epoch_ends: list[int] = field(default_factory=list)
+    make_s: float = 0.0  # seconds the workers take to make one batch, all of them working (0: no record)
 
     @property
     def batches(self) -> int:
@@ -110,9 +111,14 @@ class RankSplit:
 
     def own_per_step(self) -> float:
         """Seconds per batch this rank needs alone (input and compute, no sync), once its workers have started:
-        its pace if others never slowed it; the job's pace is the slowest rank's."""
+        its pace if others never slowed it; the job's pace is the slowest rank's.
+
+        A rank that waits for others gives its workers that time too, so its batches are ready and its input
+        wait shrinks below what it would be alone: equal ranks would then differ by which one leads. Its pace
+        alone is also at least the time its workers take to make a batch."""
         steady = self.batches - len(self.epoch_ends)
-        return (self.input_s - self._first_waits() + self.compute_s) / steady if steady > 0 else 0.0
+        waited = (self.input_s - self._first_waits() + self.compute_s) / steady if steady > 0 else 0.0
+        return max(waited, self.make_s) if steady > 0 else 0.0
 
     def step_per_batch(self) -> float:
         """Seconds per batch of this rank's loop once its workers have started (the job's step, as it ran)."""
@@ -135,6 +141,15 @@ def _series(rec: LoaderRecord | None) -> tuple[list, list, list, list]:
     return asks, returns, blocked, ends
 
 
+def _make_per_batch(rec: LoaderRecord | None) -> float:
+    """Seconds the loader's workers take to make one batch, all of them at work: their mean time per batch (in
+    the dataset and collating) over their number. 0 where no worker recorded one."""
+    made = [f + c for ep in rec.epochs if rec for w in ep.workers for f, c in zip(w.fetch, w.collate)] if rec else []
+    if not made or not rec.num_workers:
+        return 0.0
+    return sum(made) / len(made) / rec.num_workers
+
+
 def split(ranks: list[RankRecord]) -> list[RankSplit]:
     """Each rank's loop split into input, sync and compute (see the module's doc), in the order of ``ranks``.
 
@@ -148,7 +163,8 @@ def split(ranks: list[RankRecord]) -> list[RankSplit]:
     out = []
     for r, (asks, returns, blocked, ends), hand in zip(ranks, series, hands):
         sp = RankSplit(rank=r.rank, asks=[a + r.offset for a in asks[:n]], returns=hand,
-                       epoch_ends=[e for e in ends if e < n - 1] + [n - 1] if n else [])  # fmt: skip
+                       epoch_ends=[e for e in ends if e < n - 1] + [n - 1] if n else [],
+                       make_s=_make_per_batch(r.timeline.primary()))  # fmt: skip
         last = set(sp.epoch_ends)
         for i in range(n):
             if i in last or i + 1 >= n:
