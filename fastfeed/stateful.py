@@ -2,7 +2,8 @@
 
 Code written against ``torchdata.stateful_dataloader.StatefulDataLoader`` (torchtitan,
 Accelerate's ``use_stateful_dataloader``, trainers that checkpoint the loader) changes its
-import only. The states are fastfeed's (see ``DataLoader.state_dict``), not torchdata's.
+import only. The states it saves are fastfeed's (see ``DataLoader.state_dict``); ``load_state_dict``
+also takes states saved by torchdata's loader, so a run can switch at a checkpoint (``fastfeed._from_torchdata``).
 """
 
 from __future__ import annotations

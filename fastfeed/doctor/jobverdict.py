@@ -2,7 +2,9 @@
 
 Every rank of a data-parallel job runs at the slowest rank's pace, so the job has one bottleneck even when its
 ranks' own verdicts differ (the slow rank input-bound, the others sync-bound waiting for it). Per rank, ``own``
-is the time per step it needs alone (input and compute, no sync: ``RankSplit.own_per_step``):
+is the time per step it needs alone (input and compute, no sync, and at least its workers' time per batch: a rank
+that waits for others gives its workers that time, so its own input wait understates it;
+``RankSplit.own_per_step``):
 
 - **Stragglers.** When some rank would idle at least ``STRAGGLER_GAP`` of each step waiting for the slowest one,
   the ranks within ``SLOW_GROUP`` of a step of the slowest are the stragglers. The job's bottleneck is theirs
