@@ -97,6 +97,13 @@ def stopped_after_break(config, k: int = K) -> tuple[DataLoader, list]:
     return loader, seen
 
 
+def resumed(config, ckpt) -> list:
+    """A fresh loader dcp.load-ed from ``ckpt``: the two epochs it yields (the first may be the rest of one)."""
+    new = fresh(config)
+    load(new, ckpt)
+    return [epoch(new), epoch(new)]
+
+
 # -- one process, no process group --------------------------------------------------------------------------------
 
 
@@ -115,10 +122,7 @@ def test_a_save_inside_the_loop_loads_into_a_fresh_loader_and_continues_exactly(
     run += [epoch(loader), epoch(loader)]
     assert run == ref, "dcp.save changed the run that saved"
     del loader
-    new = fresh(config)
-    load(new, tmp_path / "ckpt")
-    assert epoch(new) == ref[0][K:]
-    assert epoch(new) == ref[1]
+    assert resumed(config, tmp_path / "ckpt") == [ref[0][K:], ref[1]]
 
 
 @pytest.mark.parametrize("config", PLAIN)
@@ -129,10 +133,7 @@ def test_a_save_after_break_loads_into_a_fresh_loader_and_continues_exactly(tmp_
     assert seen == ref[0][:K]
     save(loader, tmp_path / "ckpt")
     del loader
-    new = fresh(config)
-    load(new, tmp_path / "ckpt")
-    assert epoch(new) == ref[0][K:]
-    assert epoch(new) == ref[1]
+    assert resumed(config, tmp_path / "ckpt") == [ref[0][K:], ref[1]]
 
 
 @pytest.mark.parametrize("config", PLAIN)
@@ -143,9 +144,7 @@ def test_a_save_before_the_first_iter_starts_epoch_zero(tmp_path, config):
     loader = make(config)
     save(loader, tmp_path / "ckpt")
     del loader
-    new = fresh(config)
-    load(new, tmp_path / "ckpt")
-    assert [epoch(new), epoch(new)] == ref[:2]
+    assert resumed(config, tmp_path / "ckpt") == ref[:2]
 
 
 @pytest.mark.parametrize("config", PLAIN)
@@ -157,9 +156,7 @@ def test_a_save_between_epochs_starts_the_next_epoch(tmp_path, config):
     assert epoch(loader) == ref[0]
     save(loader, tmp_path / "ckpt")
     del loader
-    new = fresh(config)
-    load(new, tmp_path / "ckpt")
-    assert [epoch(new), epoch(new)] == ref[1:]
+    assert resumed(config, tmp_path / "ckpt") == ref[1:]
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
