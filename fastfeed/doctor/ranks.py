@@ -144,8 +144,10 @@ def _series(rec: LoaderRecord | None) -> tuple[list, list, list, list]:
 def _make_per_batch(rec: LoaderRecord | None) -> float:
     """Seconds the loader's workers take to make one batch, all of them at work: their mean time per batch (in
     the dataset and collating) over their number. 0 where no worker recorded one."""
-    made = [f + c for ep in rec.epochs if rec for w in ep.workers for f, c in zip(w.fetch, w.collate)] if rec else []
-    if not made or not rec.num_workers:
+    if rec is None or not rec.num_workers:
+        return 0.0
+    made = [f + c for ep in rec.epochs for w in ep.workers for f, c in zip(w.fetch, w.collate)]
+    if not made:
         return 0.0
     return sum(made) / len(made) / rec.num_workers
 
