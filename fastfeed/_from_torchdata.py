@@ -36,8 +36,6 @@ from torch.utils.data import SequentialSampler, _DatasetKind
 
 from . import _state
 
-VERSION = 3  # the fastfeed state version translate() returns
-
 # torchdata 0.11's keys.
 _SINGLE = frozenset({
     "_index_sampler_state", "_sampler_iter_state", "_sampler_iter_yielded", "_num_yielded",
@@ -198,25 +196,10 @@ def translate(state: dict, loader) -> dict:
         raise ValueError(f"{_WHAT} was saved over {kinds[not was_iterable]}, and this loader's "
                          f"{type(loader.dataset).__name__} is {kinds[not iterable]}")  # fmt: skip
     mid = not saved.finished
-    out = {
-        "version": VERSION,
-        "epochs": loader._ff_epochs + (1 if mid else 0),
-        "rng": rng,
-        "mid_epoch": mid,
-        "yielded": 0,
-        "sampler_rng": {"torch": None, "generator": None},
-        "sampler_state": None,
-        "base_seed": saved.base_seed,
-        "dataset": None,
-        "dataset_iter": None,
-        "shards": None,
-        "num_workers": saved.num_workers,
-        "asked": 0,
-        "next_worker": 0,
-        "workers": None,
-        "received_ahead": (),
-        "due": None,
-    }
+    out = dict.fromkeys(_state.KEYS)  # every key of a fastfeed state; those not set here are None
+    out.update(version=_state.VERSION, epochs=loader._ff_epochs + (1 if mid else 0), rng=rng, mid_epoch=mid,
+               yielded=0, sampler_rng=dict(_state.NO_SAMPLER_RNG), base_seed=saved.base_seed,
+               num_workers=saved.num_workers, asked=0, next_worker=0, received_ahead=())
     if iterable:
         _iterable(saved, loader, out)
     else:

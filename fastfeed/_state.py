@@ -80,9 +80,9 @@ class SamplerLog:
         self.states = {draws: copy.deepcopy(self.sampler.state_dict()) if state is None else state}
         self.draws = draws
 
-    def drew(self, asked: int | None = None) -> None:
-        """The sampler was asked once more (``asked``: its asks this epoch now, where the caller counts them)."""
-        self.draws = self.draws + 1 if asked is None else asked
+    def drew(self, asked: int) -> None:
+        """The sampler was asked once more: ``asked`` times this epoch now (``Drawn`` counts them)."""
+        self.draws = asked
         self.states[self.draws] = copy.deepcopy(self.sampler.state_dict())
         self.states.pop(self.draws - self.keep, None)
 
@@ -143,28 +143,29 @@ class Drawn:
             self.last, index = self.kept.popleft()
             return index
         while True:
-            index = next(self.source)
-            number = self.asked
-            self.asked += 1
-            if self.on_draw is not None:
-                self.on_draw(self.asked)
+            number, index = self._ask()
             if number not in self.drop:
                 self.last = number
                 return index
+
+    def _ask(self) -> tuple:
+        """The source's next index and its number; an ask that ends the source counts too (see the class)."""
+        number = self.asked
+        self.asked += 1
+        index = next(self.source)
+        if self.on_draw is not None:
+            self.on_draw(self.asked)
+        return number, index
 
     def replay(self, skip: int, asked: int, fetch=None, drop=()) -> None:
         """Ask again up to number ``asked``: those numbered below ``skip`` are dropped (``fetch(index)`` each), and
         so are those in ``drop`` (batches delivered out of order); the rest are kept for the tasks they were
         taken for."""
         while self.asked < max(skip, asked):
-            number = self.asked
-            self.asked += 1
             try:
-                index = next(self.source)
+                number, index = self._ask()
             except StopIteration:
                 break
-            if self.on_draw is not None:
-                self.on_draw(self.asked)
             if number < skip:
                 if fetch is not None:
                     fetch(index)
@@ -402,6 +403,8 @@ def _workers(workers, convert):
                  for w in workers)  # fmt: skip
 
 
+VERSION = 3  # the loader state's version that encode() and _from_torchdata.translate() make
+
 # A state has these keys at every point (a fresh loader, mid-epoch, between epochs, loaded): a checkpointer that
 # loads into the live object's state_dict(), as torch.distributed.checkpoint does, finds each one in the saved state.
 KEYS = ("version", "epochs", "rng", "mid_epoch", "yielded", "sampler_rng", "sampler_state", "base_seed", "dataset",
@@ -421,9 +424,7 @@ def encode(state: dict) -> dict:
                  workers=_workers(state.get("workers"), _rngs_out),
                  received_ahead=[int(t) for t in state.get("received_ahead") or ()],
                  due=None if state.get("due") is None else [[int(i) for i in b] for b in state["due"]])  # fmt: skip
-    for key in KEYS:
-        state.setdefault(key, None)
-    return {key: state[key] for key in KEYS}
+    return {key: state.get(key) for key in KEYS}
 
 
 def decode(state: dict) -> dict:
@@ -483,15 +484,15 @@ def own_of(state: dict, global_position: bool, sampler_position) -> dict:
     own = ranks.get(str(rank))
     if own is not None and (saved_world == world or global_position):
         return own
-    other = ranks[min(ranks, key=int)]
+    first = min(ranks, key=int)
     if global_position:
-        return other
-    if saved_world == world and sampler_position(other):
+        return ranks[first]
+    if saved_world == world and sampler_position(ranks[first]):
         warnings.warn(
-            f"DataLoader.load_state_dict(): this state holds rank {min(ranks, key=int)}'s position and not rank "
-            f"{rank}'s (a checkpoint of one rank's state, as Lightning saves): this rank's sampler continues the "
-            f"epoch at the same batch, with rank {min(ranks, key=int)}'s random streams", stacklevel=3)  # fmt: skip
-        return other
+            f"DataLoader.load_state_dict(): this state holds rank {first}'s position and not rank {rank}'s (a "
+            f"checkpoint of one rank's state, as Lightning saves): this rank's sampler continues the epoch at the "
+            f"same batch, with rank {first}'s random streams", stacklevel=3)  # fmt: skip
+        return ranks[first]
     raise ValueError(
         f"DataLoader.load_state_dict(): this state was saved by a job of {saved_world} ranks and holds the states "
         f"of ranks {sorted(ranks, key=int)}; this is rank {rank} of {world}. This loader's position is each rank's "

@@ -31,7 +31,7 @@ from .io import direct
 from .tuning import auto as tuning_auto
 from .tuning.online import TuningIter
 
-STATE_VERSION = 3
+STATE_VERSION = _state.VERSION
 # What load_state_dict reads: 1 held tensors and tuples where 2 holds JSON's values; 3 has the same keys at every
 # point, and a job's state keys each rank's.
 STATE_VERSIONS = (1, 2, 3)
@@ -447,8 +447,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         without state of its own, delivered in order."""
         if self._dataset_kind != _DatasetKind.Map or state.get("received_ahead"):
             return False
-        own = [state] + [w["state"] for w in state.get("workers") or () if w is not None]
-        return all(s.get("dataset") is None and s.get("dataset_iter") is None for s in own)
+        return not _holds_dataset_state(state)
 
     def _fit_workers(self, state: dict) -> dict:
         """``state`` for this loader's ``num_workers``, or ValueError where positions are per worker."""
@@ -458,8 +457,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         ours = self.num_workers
         if saved is None or saved == ours or self._ff_tuner is not None:
             return state
-        own = [state] + [w["state"] for w in state["workers"] or () if w is not None]
-        stateful = any(s.get("dataset") is not None or s.get("dataset_iter") is not None for s in own)
+        stateful = _holds_dataset_state(state)
         iterable = self._dataset_kind == _DatasetKind.Iterable
         if stateful or (iterable and state["mid_epoch"]):
             why = ("the dataset's own state was saved per worker" if stateful else
@@ -484,6 +482,12 @@ def _split_workers(args: tuple, kwargs: dict, worker_type) -> tuple:
         else:
             kwargs["num_workers"] = total
     return args, worker_type, split
+
+
+def _holds_dataset_state(state: dict) -> bool:
+    """Whether a saved state holds a dataset's (or its iterator's) own state, the main process's or a worker's."""
+    own = [state] + [w["state"] for w in state.get("workers") or () if w is not None]
+    return any(s.get("dataset") is not None or s.get("dataset_iter") is not None for s in own)
 
 
 def _positions_in_order(dataset) -> bool:

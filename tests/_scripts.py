@@ -63,14 +63,24 @@ def read_stderr_until(proc, text, count, seconds=20.0):
     return raw.decode(errors="replace")
 
 
-def finish(proc, timeout):
-    """communicate() with a deadline; a script past it is killed (with its group) and fails the test."""
+def communicate(proc, timeout):
+    """communicate() with a deadline, for a process started in a session of its own: ``(stdout, stderr, late)``;
+    past the deadline (``late``) it is killed with its group (a launcher, its ranks, their workers: none is left)."""
     try:
-        return proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=timeout)
+        return out, err, False
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
+        return out, err, True
+
+
+def finish(proc, timeout):
+    """communicate() with a deadline; a script past it is killed (with its group) and fails the test."""
+    out, err, late = communicate(proc, timeout)
+    if late:
         pytest.fail(f"script still running after {timeout} s\nstdout: {out}\nstderr: {err}")
+    return out, err
 
 
 def gone(pid, family):

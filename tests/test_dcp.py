@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import _dcp_job
+import _scripts
 import _shards
 from _dcp_job import IndexRand, as_lists
 from fastfeed import DataLoader
@@ -248,11 +248,8 @@ def _torchrun(world: int, mode: str, out, shard_dir: str, timeout: float = 150) 
         os.environ.get("PYTHONPATH"), TESTS_DIR, os.path.dirname(TESTS_DIR)])))  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)  # fmt: skip
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, err = proc.communicate()
+    _, err, late = _scripts.communicate(proc, timeout)
+    if late:
         return f"torchrun {mode} ran past {timeout} s:\n{err[-4000:]}"
     return None if proc.returncode == 0 else f"torchrun {mode} exited {proc.returncode}:\n{err[-4000:]}"
 

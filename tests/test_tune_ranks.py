@@ -9,12 +9,12 @@ import dataclasses
 import itertools
 import json
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
 
+import _scripts
 from fastfeed.tuning import agree
 from fastfeed.tuning.agree import Pace, slowest
 from fastfeed.tuning.result import Setting, Trial, TuneResult
@@ -214,11 +214,8 @@ def _run_ranks(tmp_path, script: str, timeout: float) -> list[dict]:
     # A session of its own: on a timeout the launcher, its ranks and their workers all go, none is left behind.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)  # fmt: skip
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, err = proc.communicate()
+    _, err, late = _scripts.communicate(proc, timeout)
+    if late:
         pytest.fail(f"the job ran past {timeout} s:\n{err[-3000:]}")
     assert proc.returncode == 0, err[-3000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
