@@ -59,16 +59,19 @@ class SlowSharded(tud.IterableDataset):
 
 class RandomSlow(tud.Dataset):
     """Map-style: item i is i, after a sleep of up to ``max_delay`` s drawn at random per item (from a generator of
-    its own: the workers' global RNGs are left alone)."""
+    its own: the workers' global RNGs are left alone). Item 0 sleeps ``first_delay`` s more: the worker holding the
+    epoch's first batch is held back, so that the race of which batches come first is lost on a loaded machine too,
+    where random sleeps of a few ms drown in scheduling."""
 
-    def __init__(self, n: int, max_delay: float = 0.01, seed: int = 0):
-        self.n, self.max_delay, self.seed = n, max_delay, seed
+    def __init__(self, n: int, max_delay: float = 0.01, seed: int = 0, first_delay: float = 0.0):
+        self.n, self.max_delay, self.seed, self.first_delay = n, max_delay, seed, first_delay
 
     def __len__(self):
         return self.n
 
     def __getitem__(self, i):
-        time.sleep(random.Random(self.seed * 1_000_003 + i).random() * self.max_delay)
+        extra = self.first_delay if i == 0 else 0.0
+        time.sleep(random.Random(self.seed * 1_000_003 + i).random() * self.max_delay + extra)
         return i
 
 

@@ -214,13 +214,14 @@ def test_iterable_sharded_by_worker_resume_delivers_every_remaining_sample_once(
 
 
 def test_random_slowness_delivers_out_of_order_and_the_resume_is_still_exact():
-    """RandomSlow (every item sleeps 0-10 ms at random), 3 workers: delivery is out of order and the 8 batches
-    before the save are not the epoch's first 8; the resumed loader still delivers the other samples once."""
+    """RandomSlow (every item sleeps 0-10 ms at random, item 0 0.5 s more), 3 workers: delivery is out of order and
+    the 8 batches before the save are not the epoch's first 8; the resumed loader still delivers the other samples
+    once."""
     n, bs, k = 48, 2, 8
     out_of_order = lost_race = 0
     for attempt in range(5):
-        make = lambda: DataLoader(O.RandomSlow(n, 0.01, seed=attempt), batch_size=bs, num_workers=3,  # noqa: E731
-                                  prefetch_factor=2, in_order=IN_ORDER)  # fmt: skip
+        ds = O.RandomSlow(n, 0.01, seed=attempt, first_delay=0.5)
+        make = lambda: DataLoader(ds, batch_size=bs, num_workers=3, prefetch_factor=2, in_order=IN_ORDER)  # noqa: E731
         a = make()
         got, before, state, ended = take(a, k, "inside")
         del a
