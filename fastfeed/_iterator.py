@@ -26,6 +26,7 @@ from torch.utils.data._utils.pin_memory import pin_memory
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_init_fn
 
 from . import _pinning, _state, affinity, config, stats
+from ._dataset_hooks import hooks_of
 from ._ring import fence, layout
 from ._workers import messages as m
 from ._workers.loop import SlotWriter, WorkerSpec, preload, worker_main
@@ -81,6 +82,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
             None draws one, as torch does.
         """
         self._shutdown = True  # until workers exist, there is nothing to shut down
+        self._dataset_hooks = hooks_of(loader.dataset)  # before torch's __init__, which calls _reset
         # A process forked while this iterator lives (a torch worker, a user's fork) has a copy of it; the workers
         # and segments are the parent's, and dropping the copy there must not touch them.
         self._owner = os.getpid()
@@ -243,8 +245,8 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         if not first_iter:
             # A persistent worker's dataset is a copy from the first epoch: one that asks to (fastfeed.io.Shards,
             # whose set_epoch is called here) gets the main process's epoch and position with the new epoch.
-            sync = getattr(loader.dataset, "_ff_worker_sync", None)
-            sync = sync() if callable(sync) else None
+            sync = self._dataset_hooks.worker_sync
+            sync = sync() if sync is not None else None
             for wid in range(self._num_workers):
                 self._pool.send(wid, m.Resume(self._shared_seed, sync))
             for wid in range(self._num_workers):
@@ -311,7 +313,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         for wid, saved in enumerate(resume["workers"] or ()):  # None: thread workers, stateless
             self._workers_status[wid] = bool(saved) and not saved["state"]["ended"]
             if saved:
-                self._last_task[wid] = -1  # the worker holds its restored state as "task -1"
+                self._last_task[wid] = m.RESTORED
         for _ in range(resume["next_worker"]):
             next(self._worker_queue_idx_cycle)
         for _ in range(self._prefetch_factor * self._num_workers):

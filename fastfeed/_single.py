@@ -10,6 +10,7 @@ from torch.utils.data import _DatasetKind
 from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
 
 from . import _state, stats
+from ._dataset_hooks import hooks_of
 from ._workers import readahead
 
 _END = object()  # the sampler is exhausted
@@ -25,7 +26,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
     def __init__(self, loader, resume: dict | None = None, indices=None, base_seed: int | None = None) -> None:
         """``indices``, ``base_seed``: as ``RingDataLoaderIter``'s (an online tuner's share of an epoch)."""
         self._stats = stats.recorder(0, None)  # see fastfeed.stats
-        self._prefetch = readahead.prefetcher(loader.dataset, loader._dataset_kind == _DatasetKind.Map)
+        self._prefetch = hooks_of(loader.dataset).prefetch
         self._ahead = None  # the next batch's indices, already announced to the dataset's prefetch
         self._timed = True  # False under a device stage, which times instead
         self._generator = loader.generator

@@ -20,6 +20,7 @@ import torch.utils.data
 from torch.utils.data import IterDataPipe, MapDataPipe, _DatasetKind
 
 from . import _from_torchdata, _hooks, _state, affinity, stats, transfer
+from ._dataset_hooks import hooks_of
 from ._iterator import RingDataLoaderIter
 from ._ring.ring import Ring
 from ._single import SingleProcessIter
@@ -111,6 +112,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self.worker_type = worker_type
         self._ff_local = split[0] if worker_type == _workers.MIXED else None  # the mixed form's local processes
         super().__init__(*args, **kwargs)
+        self._ff_dataset_hooks = hooks_of(self.dataset)  # torch's loader forbids replacing its dataset from here on
         self._ff_stage = transfer.plan(device, device_transform, device_prefetch)
         self._ff_made = {"device": device, "device_transform": device_transform, "device_prefetch": device_prefetch}
         self._ff_auto = auto
@@ -377,7 +379,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         it, held_back = self._latest()
         held_back += behind
         state = {"version": STATE_VERSION, "epochs": self._ff_epochs, "rng": rng}
-        if _positions_in_order(self.dataset):
+        if self._ff_dataset_hooks.position is not None:
             return _state.encode(dict(state, **self._dataset_position(it, held_back)))
         if it is not None and (not it._finished or held_back or (self.persistent_workers and self.num_workers > 0)):
             state.update(it.state_dict(held_back))
@@ -393,7 +395,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         # Out of order, the batches received are not the epoch's first: each worker's delivered count says which.
         delivered = it.delivered(held_back) if mid_epoch and not getattr(it, "_in_order", True) else None
         return dict(self._between_epochs(own_state=False), mid_epoch=mid_epoch, yielded=yielded or 0,
-                    shards=self.dataset._ff_position(yielded, delivered))  # fmt: skip
+                    shards=self._ff_dataset_hooks.position(yielded, delivered))  # fmt: skip
 
     def _between_epochs(self, own_state: bool = True) -> dict:
         """The position between epochs: the sampler's state, and the dataset's where this process iterates it
@@ -420,7 +422,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         if not isinstance(state_dict, dict):
             raise TypeError(f"DataLoader.load_state_dict() takes the dict state_dict() returned, got "
                             f"{type(state_dict).__name__}")  # fmt: skip
-        state_dict = _state.own_of(state_dict, _positions_in_order(self.dataset), self._sampler_position)
+        global_position = self._ff_dataset_hooks.position is not None
+        state_dict = _state.own_of(state_dict, global_position, self._sampler_position)
         if _from_torchdata.is_torchdata_state(state_dict):  # a run switching from torchdata's loader
             state_dict = _from_torchdata.translate(state_dict, self)
         if state_dict.get("version") not in STATE_VERSIONS:
@@ -428,7 +431,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                              f"versions {STATE_VERSIONS} (and torchdata StatefulDataLoader's states)")  # fmt: skip
         state = _state.decode(state_dict)
         if state.get("shards") is not None:
-            if not _positions_in_order(self.dataset):
+            if not global_position:
                 raise ValueError("DataLoader.load_state_dict(): this state holds a fastfeed.io.Shards position and "
                                  f"this loader's dataset is a {type(self.dataset).__name__}")  # fmt: skip
             self.dataset.load_state_dict(state["shards"])  # the dataset checks its order and global batch
@@ -490,17 +493,12 @@ def _holds_dataset_state(state: dict) -> bool:
     return any(s.get("dataset") is not None or s.get("dataset_iter") is not None for s in own)
 
 
-def _positions_in_order(dataset) -> bool:
-    """A dataset that keeps its own position as the batches this rank received (``fastfeed.io.Shards``)."""
-    return callable(getattr(dataset, "_ff_position", None))
-
-
 def _set_up_dataset(loader, epoch_starts: bool) -> None:
     """Tell a dataset that asks (``fastfeed.io.Shards``) the loader's batch size, ``drop_last`` and workers, when
     the loader is made and before each epoch's workers get it: torch's loader gives an IterableDataset no way to
     know them."""
-    setup = getattr(loader.dataset, "_ff_loader_setup", None)
-    if callable(setup):
+    setup = loader._ff_dataset_hooks.loader_setup
+    if setup is not None:
         setup(batch_size=loader.batch_size, drop_last=loader.drop_last, num_workers=loader.num_workers,
               prefetch_factor=loader.prefetch_factor, epoch_starts=epoch_starts)
 

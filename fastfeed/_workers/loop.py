@@ -25,6 +25,7 @@ from torch.utils.data._utils import signal_handling
 from torch.utils.data._utils import worker as torch_worker
 
 from .. import _state, affinity
+from .._dataset_hooks import hooks_of
 from .._ring import layout, segments
 from .._ring.control import Control
 from . import messages as m
@@ -279,9 +280,9 @@ def serve(worker_id, spec: WorkerSpec, dataset, writer: SlotWriter, get, put, re
         return _DatasetKind.create_fetcher(kind, dataset, spec.auto_collation, collate_fn, spec.drop_last)
 
     snapshot = _state.snapshot if track_state else lambda: None
-    prefetch = readahead.prefetcher(dataset, kind == _DatasetKind.Map)
-    if prefetch is not None:
-        get = readahead.Ahead(get, prefetch, spec.auto_collation)
+    hooks = hooks_of(dataset)
+    if hooks.prefetch is not None:
+        get = readahead.Ahead(get, hooks.prefetch, spec.auto_collation)
     init_error = None
     fetcher = None
     try:
@@ -331,7 +332,7 @@ def serve(worker_id, spec: WorkerSpec, dataset, writer: SlotWriter, get, put, re
         stateful = has_state()
         # The dataset was given copies: what it does with them leaves the state to report as it was saved.
         if resume["mid_epoch"]:  # the state to report until this worker's next task is seen
-            snapshots.append((-1, state, positions if restore else None, n_batches, iteration_end))
+            snapshots.append((m.RESTORED, state, positions if restore else None, n_batches, iteration_end))
             if not n_batches:
                 start_positions = positions if restore else None
         else:  # a new epoch of persistent workers begins here
@@ -347,7 +348,7 @@ def serve(worker_id, spec: WorkerSpec, dataset, writer: SlotWriter, get, put, re
             iteration_end = retry_empty = False
             dataset = _seed_datapipe(dataset, task.shared_seed)
             if task.dataset_sync is not None:
-                dataset._ff_worker_apply(task.dataset_sync)
+                hooks.worker_apply(task.dataset_sync)  # still this dataset's: _seed_datapipe reseeds in place
             fetcher = new_fetcher()
             snapshots.clear()
             n_batches, epoch_start = 0, snapshot()

@@ -15,6 +15,11 @@ from typing import Any, NamedTuple
 
 from .._ring.leaf import Leaf  # noqa: F401  (Done carries a list of them; the type lives below ring and workers)
 
+# The task index a worker's restored state goes by: a worker resumed mid-epoch (load_state_dict, or a replaced
+# Ray actor) holds the state it was restored to as if task RESTORED had just ended, until it answers a task of its
+# own; StateRequest(RESTORED) asks for that state. Real tasks count up from 0, so it is never one of theirs.
+RESTORED = -1
+
 
 class Task(NamedTuple):
     """Fetch and collate the samples of batch ``idx`` (into a slot the worker claims from the ring)."""
@@ -77,7 +82,8 @@ class ResumeAck(NamedTuple):
 
 
 class StateRequest(NamedTuple):
-    """Send the state this worker had right after task ``after_idx`` (None: at the epoch's start)."""
+    """Send the state this worker had right after task ``after_idx`` (None: at the epoch's start; ``RESTORED``: the
+    state it was restored to)."""
 
     after_idx: int | None
 

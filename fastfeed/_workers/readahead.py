@@ -1,6 +1,8 @@
 """The read-ahead protocol's worker side: tasks are taken from the main process ahead of their turn, so a
 dataset's ``prefetch(indices)`` hears of each task's samples as soon as the task arrives, and its reads overlap
 the batches before it. Messages are still answered strictly in the order they came.
+
+The protocol is declared, and a dataset's ``prefetch`` found, in ``fastfeed._dataset_hooks`` (``ReadAhead``).
 """
 
 from __future__ import annotations
@@ -13,12 +15,6 @@ from typing import Any, Callable
 from . import messages as m
 
 NOTHING = object()  # what ``get(block=False)`` returns when no message is waiting
-
-
-def prefetcher(dataset, is_map: bool) -> Callable[[list], Any] | None:
-    """The dataset's ``prefetch``, when it is a map-style dataset that has one."""
-    fn = getattr(dataset, "prefetch", None) if is_map else None
-    return fn if callable(fn) else None
 
 
 def indices_of(index, auto_collation: bool) -> list:

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader as TorchLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from .. import replace, stats
+from .._dataset_hooks import hooks_of
 from ..loader import DataLoader as FastLoader
 from .blocked import Clock
 from .timeline import EpochRecord, LoaderRecord, WorkerRecord
@@ -83,13 +84,23 @@ class _Seen:
                 id=ident, kind="fastfeed" if fast else "torch", made_at=made_at, num_workers=loader.num_workers,
                 prefetch_factor=loader.prefetch_factor, batch_size=loader.batch_size, worker_type=worker_type,
                 persistent_workers=loader.persistent_workers, pin_memory=loader.pin_memory,
-                prefetch=callable(getattr(loader.dataset, "prefetch", None)), worker_split=split,
+                prefetch=_reads_ahead(loader), worker_split=split,
             )  # fmt: skip
         self.epochs: list[_Epoch] = []
 
     def record(self) -> LoaderRecord:
         self.info.epochs = [e.record() for e in self.epochs if e.rec.asks]
         return self.info
+
+
+def _reads_ahead(loader) -> bool:
+    """Whether the loader's dataset offers the read-ahead hook (the verdict suggests one where it does not)."""
+    if isinstance(loader, FastLoader):
+        return loader._ff_dataset_hooks.prefetch is not None
+    try:
+        return hooks_of(loader.dataset).prefetch is not None
+    except TypeError:  # an _ff_ hook it cannot call: torch's loader calls none, and watching must not fail the run
+        return False
 
 
 def worker_kind(loader) -> tuple[str, list[int] | None]:
