@@ -143,3 +143,26 @@ def init_then_hang(marker: str, worker_id: int) -> None:
     and runs), then does not return for 60 s: a start that outlasts any start timeout a test sets."""
     open(marker, "w").close()
     time.sleep(60)
+
+
+class ToldAhead(tud.Dataset):
+    """A map-style dataset with a read-ahead hook (``prefetch``): each sample is ``[index, told]``, where ``told``
+    counts the indices its worker's copy had been told of and not yet asked for when the sample was asked for (a
+    later task's samples, since a task's own are told just before they are asked for). ``delay`` seconds per
+    sample give the loader's next tasks time to reach the worker."""
+
+    def __init__(self, n=12, delay=0.05):
+        self.n, self.delay = n, delay
+        self.told: set = set()
+        self.asked: set = set()
+
+    def __len__(self):
+        return self.n
+
+    def prefetch(self, indices):
+        self.told.update(indices)
+
+    def __getitem__(self, index):
+        time.sleep(self.delay)
+        self.asked.add(index)
+        return torch.tensor([index, len(self.told - self.asked)])

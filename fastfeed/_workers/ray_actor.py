@@ -1,17 +1,22 @@
-"""The body of one Ray actor worker: the worker loop (``loop.serve``), one message per actor call.
+"""The body of one Ray actor worker: the worker loop (``loop.serve``), fed the messages of the actor's calls.
 
 The loop is the same code process workers run, so seeding, ``get_worker_info()``, ``worker_init_fn``, IterableDataset
-exhaustion, persistent-worker resume and errors are the same. It runs in a thread of the actor; each ``call`` hands
-it one message and returns its answer. A batch comes back as one flat byte buffer laid out as a ring slot would be
-(``layout.plan``/``fill``): Ray stores it in the object store, the main process copies it once into a slot.
+exhaustion, persistent-worker resume and errors are the same. It runs in a thread of the actor. The actor is an
+asyncio actor: a call hands its message to the loop at once and awaits the answer, so the tasks the main process sent
+ahead of the running one wait in the loop's queue, where a dataset's read-ahead (``prefetch``, see ``readahead``)
+sees them, as a worker process sees the tasks waiting in its pipe. Ray runs an asyncio actor's calls in no promised
+order: each call carries its number in the epoch its ``start`` began, and the messages reach the loop in that order.
 
-With each answer to a task goes the worker's state right after it (RNGs, a stateful dataset's position, batches
-made), which is what a replacement actor starts from if this one is lost (``ray_pool``). Nothing in this module
-imports Ray: the actor class is made from it where Ray is used.
+A batch comes back as one flat byte buffer laid out as a ring slot would be (``layout.plan``/``fill``): Ray stores it
+in the object store, the main process copies it once into a slot. With each answer to a task goes the worker's state
+right after it (RNGs, a stateful dataset's position, batches made), which is what a replacement actor starts from if
+this one is lost (``ray_pool``). Nothing in this module imports Ray: the actor class is made from it where Ray is used.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import os
 import queue
 import socket
@@ -22,19 +27,18 @@ import numpy as np
 import torch
 from torch.utils.data._utils import worker as torch_worker
 
+from .._dataset_hooks import hooks_of
 from .._ring import layout
 from . import messages as m
 from . import readahead
 from .loop import _seed, _seed_datapipe, serve
-
-_NO_REPLY = object()  # the loop went back for its next message without answering the last (a skipped task, Stop)
 
 
 class BufferWriter:
     """``SlotWriter``'s face for an actor: the batch goes into a fresh flat buffer, not a ring slot."""
 
     def __init__(self):
-        self.buffer = None  # the last batch's bytes, taken by the call that returns them
+        self.buffer = None  # the last batch's bytes, taken with the answer that reports them
 
     def write(self, task: m.Task, batch, worker_id: int, fetch_s=0.0, collate_s=0.0, since=0.0, timed=False) -> m.Done:
         payload, objs, leaves, nbytes = layout.plan(batch)
@@ -54,16 +58,18 @@ class RayWorker:
 
     def __init__(self):
         self._thread = None
-        self._tasks = self._replies = None
-        self._writer = None
-        self._worker_id = None
+        self._channel = None
+        self._epoch = None  # the key the main process gave the last start: its calls carry it
+        self._next = 0  # the number of the call whose message goes to the loop next
+        self._turns: dict = {}  # (epoch, number) -> the future a call that came before its turn awaits
 
     def where(self) -> dict:
         """Where this actor runs: for messages, and the tests' check of placement."""
         return {"host": socket.gethostname(), "pid": os.getpid(), "node_id": _node_id()}
 
-    def start(self, worker_id: int, spec, resume: dict | None, sync: dict | None = None) -> dict:
-        """Begin serving as worker ``worker_id`` of ``spec`` (the epoch's ``WorkerSpec``, from the object store).
+    async def start(self, epoch, worker_id: int, spec, resume: dict | None, sync: dict | None = None) -> dict:
+        """Begin serving as worker ``worker_id`` of ``spec`` (the epoch's ``WorkerSpec``, from the object store);
+        ``epoch``: the key the calls of this epoch carry.
 
         ``resume``: where a replacement (or ``load_state_dict``) picks up, as for a worker process. ``sync``: a
         persistent worker's later epoch (its ``Resume``): the dataset's sync and shared seed, applied first.
@@ -75,78 +81,195 @@ class RayWorker:
         seed = _seed(spec.base_seed, worker_id)
         dataset = _seed_datapipe(spec.dataset, spec.shared_seed if sync is None else sync["shared_seed"])
         if sync is not None and sync.get("dataset_sync") is not None:
-            dataset._ff_worker_apply(sync["dataset_sync"])
+            hooks_of(dataset).worker_apply(sync["dataset_sync"])
         torch_worker._worker_info = torch_worker.WorkerInfo(
             id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=dataset
         )
-        self._worker_id = worker_id
-        self._tasks, self._replies = queue.SimpleQueue(), queue.SimpleQueue()
-        self._writer = BufferWriter()
-        pending = [False]  # a message was handed to the loop and not answered yet
-        tasks, replies = self._tasks, self._replies
-
-        def get(block: bool = True):
-            if not block:
-                try:
-                    msg = tasks.get_nowait()
-                except queue.Empty:
-                    return readahead.NOTHING
-            else:
-                if pending[0]:
-                    replies.put(_NO_REPLY)
-                msg = tasks.get()
-            pending[0] = True
-            return msg
-
-        def put(msg):
-            pending[0] = False
-            replies.put(msg)
-
+        channel = self._channel = _Channel(asyncio.get_running_loop())
         where = f"in DataLoader worker {worker_id} (Ray actor, pid {os.getpid()} on {socket.gethostname()})"
         self._thread = threading.Thread(
-            target=_serve, args=(worker_id, spec, dataset, self._writer, get, put, resume, where, replies),
+            target=_serve, args=(worker_id, spec, dataset, channel, resume, where),
             name=f"ff_ray_worker_{worker_id}", daemon=True,
         )  # fmt: skip
         self._thread.start()
-        restored = self._ask(m.StateRequest(-1)) if resume is not None and resume["mid_epoch"] else None
-        return {"state": to_wire(self._ask(m.StateRequest(None))), "restored": to_wire(restored),
-                "where": self.where()}  # fmt: skip
+        # Before any call of this epoch is let in: the loop answers these first.
+        restored = channel.send(m.StateRequest(m.RESTORED)) if resume is not None and resume["mid_epoch"] else None
+        state = channel.send(m.StateRequest(None))
+        self._epoch, self._next = epoch, 0
+        self._let_in()
+        state = to_wire((await state)[0])
+        restored = None if restored is None else to_wire((await restored)[0])
+        return {"state": state, "restored": restored, "where": self.where()}
 
-    def call(self, msg):
-        """Hand ``msg`` to the loop. Returns ``(answer or None, state after it or None, batch bytes or None)``."""
-        reply = self._ask(msg)
-        if reply is _NO_REPLY:
-            return None, None, None
-        state = buf = None
-        kind = type(reply)
-        if kind in (m.Done, m.Failed, m.IterEnd):
-            state = to_wire(self._ask(m.StateRequest(reply.idx)))
-        elif kind is m.ResumeAck:
-            state = to_wire(self._ask(m.StateRequest(None)))
-        if kind is m.Done and reply.nbytes:
-            buf, self._writer.buffer = self._writer.buffer, None
-        return reply, state, buf
+    async def call(self, epoch, number: int, msg):
+        """Hand ``msg``, call ``number`` of ``epoch``, to the loop once the calls numbered before it have. Returns
+        ``(answer or None, state after it or None, batch bytes or None)``."""
+        if (epoch, number) != (self._epoch, self._next):
+            turn = self._turns[(epoch, number)] = asyncio.get_running_loop().create_future()
+            await turn
+        answer = self._channel.send(msg)
+        self._next += 1
+        self._let_in()
+        return await answer
 
-    def _ask(self, msg):
-        self._tasks.put(msg)
-        reply = self._replies.get()
-        if isinstance(reply, _Crashed):
-            raise reply.error
-        return reply
+    def _let_in(self) -> None:
+        """Wake the call whose turn it is, if it came early."""
+        turn = self._turns.pop((self._epoch, self._next), None)
+        if turn is not None and not turn.done():
+            turn.set_result(None)
 
     def _end_thread(self) -> None:
         if self._thread is not None and self._thread.is_alive():
-            self._tasks.put(m.Stop())
-            self._thread.join(timeout=5.0)  # one stuck in the dataset is left (a daemon); its queues are dropped
+            self._channel.stop()
+            self._thread.join(timeout=5.0)  # one stuck in the dataset is left (a daemon); its channel is dropped
         self._thread = None
+
+
+class _Call:
+    """One call's message on its way through the loop, and what the call returns."""
+
+    __slots__ = ("future", "reply", "state", "buf", "asks_state", "done")
+
+    def __init__(self, future, asks_state: bool):
+        self.future = future  # the actor's event loop's: the call awaits it
+        self.reply = self.state = self.buf = None
+        self.asks_state = asks_state  # a StateRequest for the state right after it follows it
+        self.done = False
+
+
+class _Channel:
+    """An epoch's messages to the loop, in the order of their calls, and its answers back to the calls that await
+    them.
+
+    The loop answers its messages in the order it takes them, and goes past some without an answer (a task after
+    its iterable ended, which torch's worker skips too). The state after a task (or a ``Resume``) is asked right
+    behind it, so the loop answers that before it runs the next task, and it goes back with the task's answer. The
+    event loop's calls ``send``; only the loop's thread takes messages and answers (``get``, ``put``, ``crash``).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.writer = BufferWriter()
+        self._loop = loop
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (message, its _Call or None, is its state request)
+        self._taken: collections.deque = collections.deque()  # inbox entries the loop took and has not answered
+        self._lock = threading.Lock()  # a message sent as the loop dies fails with its error, never waits for ever
+        self._error = None
+
+    def send(self, msg) -> asyncio.Future:
+        """Queue ``msg`` for the loop; the future's result is ``(answer, state after it, batch bytes)``."""
+        ask = _state_request_after(msg)
+        call = _Call(self._loop.create_future(), ask is not None)
+        with self._lock:
+            if self._error is not None:
+                call.future.set_exception(self._error)
+                return call.future
+            self._inbox.put((msg, call, False))
+            if ask is not None:
+                self._inbox.put((ask, call, True))
+        return call.future
+
+    def stop(self) -> None:
+        self._inbox.put((m.Stop(), None, False))
+
+    def get(self, block: bool = True):
+        """The loop's next message (``block=False``: ``readahead.NOTHING`` when none waits)."""
+        if block:
+            # The loop blocks only once it is done with every message it took: those not answered were gone past.
+            while self._taken:
+                self._finish(self._taken.popleft()[1])
+        while True:
+            try:
+                entry = self._inbox.get() if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return readahead.NOTHING
+            msg, call, is_ask = entry
+            if is_ask and call.done:
+                # The loop went past its task, and holds no state after it. Only an iterable's loop goes past tasks,
+                # and it takes one message at a time (read-ahead is for map-style datasets): it never took this ask
+                # before its task was settled here.
+                continue
+            if call is not None:
+                self._taken.append(entry)
+            return msg
+
+    def put(self, reply) -> None:
+        while True:
+            msg, call, is_ask = self._taken.popleft()
+            if _answers(msg, reply):
+                break
+            self._finish(call)  # answered by nothing: a message the loop went past
+        if is_ask:
+            call.state = to_wire(reply)
+            self._finish(call)
+            return
+        call.reply = reply
+        if type(reply) is m.Done and reply.nbytes:
+            call.buf, self.writer.buffer = self.writer.buffer, None
+        if not call.asks_state:
+            self._finish(call)
+
+    def crash(self, error: BaseException) -> None:
+        """The loop itself raised: every message sent, and any sent later, fails with ``error``."""
+        with self._lock:
+            self._error = error
+            calls = [call for _, call, _ in self._taken]
+            self._taken.clear()
+            while True:
+                try:
+                    calls.append(self._inbox.get_nowait()[1])
+                except queue.Empty:
+                    break
+        for call in calls:
+            if call is not None and not call.done:
+                call.done = True
+                self._resolve(call.future, None, error)
+
+    def _finish(self, call: _Call) -> None:
+        if not call.done:
+            call.done = True
+            self._resolve(call.future, (call.reply, call.state, call.buf), None)
+
+    def _resolve(self, future, result, error) -> None:
+        try:
+            self._loop.call_soon_threadsafe(_settle, future, result, error)
+        except RuntimeError:  # the event loop closed with the actor: no call awaits
+            pass
+
+
+def _settle(future, result, error) -> None:
+    if not future.done():
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+
+def _state_request_after(msg) -> m.StateRequest | None:
+    """What asks the loop for its state right after ``msg``, where the answer to ``msg`` takes it along."""
+    kind = type(msg)
+    if kind is m.Task:
+        return m.StateRequest(msg.idx)
+    if kind is m.Resume:
+        return m.StateRequest(None)
+    return None
+
+
+def _answers(msg, reply) -> bool:
+    """Whether ``reply`` is the loop's answer to ``msg`` (the loop answers in order, going past some messages)."""
+    kind = type(reply)
+    if kind in (m.Done, m.Failed, m.IterEnd):
+        return type(msg) is m.Task and msg.idx == reply.idx
+    if kind is m.ResumeAck:
+        return type(msg) is m.Resume
+    return type(msg) is m.StateRequest
 
 
 def to_wire(reply: m.StateReply | None) -> m.StateReply | None:
     """A state with its RNGs' tensors as numpy arrays: Ray pickles an array in microseconds and a tensor in a
     fraction of a millisecond, and a state goes with every batch but is read only for a replacement or a
     ``state_dict()`` (``from_wire``)."""
-    if reply is None or isinstance(reply, _Crashed):
-        return reply
+    if reply is None:
+        return None
     return reply._replace(state=_rngs(reply.state, torch.Tensor.numpy), epoch_start=_rngs(reply.epoch_start,
                                                                                          torch.Tensor.numpy))
 
@@ -179,18 +302,11 @@ def _rngs(state: dict | None, convert) -> dict | None:
     return state
 
 
-class _Crashed:
-    """An exception that escaped the loop itself (not the dataset's, which the loop reports as ``Failed``)."""
-
-    def __init__(self, error: BaseException):
-        self.error = error
-
-
-def _serve(worker_id, spec, dataset, writer, get, put, resume, where, replies) -> None:
+def _serve(worker_id, spec, dataset, channel: _Channel, resume, where) -> None:
     try:
-        serve(worker_id, spec, dataset, writer, get, put, resume, where=where)
-    except BaseException as e:  # noqa: BLE001 (raised in the actor's call, so the main process hears of it)
-        replies.put(_Crashed(e))
+        serve(worker_id, spec, dataset, channel.writer, channel.get, channel.put, resume, where=where)
+    except BaseException as e:  # noqa: BLE001 (raised in the actor's calls, so the main process hears of it)
+        channel.crash(e)
 
 
 def _node_id() -> str | None:

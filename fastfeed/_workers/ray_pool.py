@@ -1,8 +1,9 @@
 """Ray actors as the loader's workers, behind the same face as ``Pool`` and ``ThreadPool``.
 
 Each worker is an actor (``ray_actor.RayWorker``) running the ordinary worker loop; a message to it is an actor call,
-and Ray runs one actor's calls in the order they were made, so the answers come back in the order the tasks went
-out, as through a worker's pipe. The epoch's ``WorkerSpec`` (and with it the dataset) goes into Ray's object store
+numbered, which the actor hands to its loop in that order at once, so that the loop (and a dataset's read-ahead) sees
+the tasks sent ahead of the one it runs, and the answers come back in the order the tasks went out, as through a
+worker's pipe. The epoch's ``WorkerSpec`` (and with it the dataset) goes into Ray's object store
 once per epoch, and each actor takes it from there: it is not pickled per task.
 
 A batch comes back as one Ray object: read in place from the object store on the same node, fetched over the network
@@ -18,16 +19,22 @@ the batches of an uninterrupted run. A batch that keeps killing its actor raises
 Waiting for room. An actor no node of the cluster could ever host (``ray_options`` asking for more than any one node
 has) raises before anything starts. One that fits but finds every node busy waits: after ``EARLY_NOTICE_S`` the
 ``fastfeed`` logger says how many actors wait, for what, and what the cluster has free; after
-``start_timeout_s()`` the loader raises. The same watch runs whether the loop waits for one worker (in order) or for
-any (``in_order=False``).
+``start_timeout_s()`` the loader raises. These times run from the actor's start call, whichever way the loop waits:
+for one worker (in order), or for any (``in_order=False``, where other workers' answers come meanwhile).
+
+Beside local worker processes (``MixedPool``), the loop waits for either kind in one ``poll``: each Ray answer it
+waits for writes a byte into a pipe when it arrives (a callback of Ray's), and the pipe is polled with the processes'.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import os
+import select
 import sys
+import threading
 import time
 import weakref
 
@@ -37,7 +44,7 @@ from .._native import C
 from . import messages as m
 from . import ray_connect
 from .loop import SlotWriter
-from .pool import STATUS_CHECK_S, Clock, WorkerDied
+from .pool import _READY, STATUS_CHECK_S, Clock, WorkerDied
 from .ray_actor import from_wire, owned
 
 log = logging.getLogger("fastfeed")
@@ -50,6 +57,7 @@ EARLY_NOTICE_S = 5.0
 DEFAULT_OPTIONS = {"num_cpus": 1}  # a worker uses a core, as a worker process does
 _START = "start"  # the pending entry of an actor's start call
 _LOCAL = "local"  # a StateRequest, answered here from the states that came with the answers
+_epochs = itertools.count()  # keys of actor starts: an actor lets in the calls of its latest start only
 
 
 def start_timeout_s() -> float:
@@ -130,11 +138,15 @@ def _kill(ray, actor) -> None:
 
 
 class _Worker:
-    __slots__ = ("wid", "actor", "pending", "states", "start", "last", "resume_msg", "losses", "where")
+    __slots__ = ("wid", "actor", "pending", "states", "start", "last", "resume_msg", "losses", "where", "epoch",
+                 "calls", "asked")  # fmt: skip
 
     def __init__(self, wid: int, actor):
         self.wid = wid
         self.actor = actor
+        self.epoch = None  # the key of the actor's start: its calls carry it, numbered from 0 (``calls``)
+        self.calls = 0
+        self.asked = 0.0  # when the actor's start was sent (monotonic): the start timeout runs from there
         self.pending: collections.deque = collections.deque()  # [message, ref] sent, answers not taken yet
         self.states: dict = {}  # task index -> StateReply right after it (recent ones)
         self.start = None  # StateReply at this epoch's start
@@ -184,7 +196,7 @@ class RayPool:
                 wid = first_id + i
                 w = _Worker(wid, self._new_actor())
                 self.workers.append(w)
-                w.pending.append([_START, w.actor.start.remote(wid, self._spec_ref, resumes[i])])
+                w.pending.append([_START, self._begin(w, resumes[i])])
         except BaseException:
             self.stop(idle=False)
             raise
@@ -205,6 +217,15 @@ class RayPool:
     def _worker(self, wid: int) -> _Worker:
         return self.workers[wid - self.first_id]
 
+    def _begin(self, w: _Worker, resume, sync=None):
+        """Start ``w``'s actor (its ``start`` call's reference); the calls after it are numbered afresh."""
+        w.epoch, w.calls, w.asked = next(_epochs), 0, time.monotonic()
+        return w.actor.start.remote(w.epoch, w.wid, self._spec_ref, resume, sync)
+
+    def _call(self, w: _Worker, message):
+        n, w.calls = w.calls, w.calls + 1
+        return w.actor.call.remote(w.epoch, n, message)
+
     # -- the pool's face -----------------------------------------------------------------
 
     def send(self, wid: int, message) -> None:
@@ -217,7 +238,7 @@ class RayPool:
             return  # the actor is kept for the next epoch, or killed, by stop()
         if kind is m.Resume:
             w.resume_msg = message
-        w.pending.append([message, w.actor.call.remote(message)])
+        w.pending.append([message, self._call(w, message)])
 
     def retire(self, wid: int) -> None:
         """A worker whose IterableDataset ended: nothing more is sent to it (its actor waits for stop)."""
@@ -283,39 +304,49 @@ class RayPool:
             if not fronts:
                 raise RuntimeError("recv_any() with no answer owed by any Ray actor")
             starting = [w for w in fronts.values() if w.pending[0][0] is _START]
-            wait = min(clock.next_wait(), STATUS_CHECK_S, self._watch_starts(clock, starting))
+            wait = min(clock.next_wait(), STATUS_CHECK_S, self._watch_starts(starting))
             done, _ = self.ray.wait(list(fronts), num_returns=1, timeout=wait)
             if done:
-                w = fronts[done[0]]
-                msg, ref = w.pending[0]
-                answer = self._get(w, ref)
-                if answer is None:
-                    continue
-                w.pending.popleft()
-                got = self._took(w, msg, answer)
+                got = self._take(fronts[done[0]])
                 if got is not None:
                     return got
                 continue
             clock.check()
 
+    def _take(self, w: _Worker):
+        """Take ``w``'s first answer, which has arrived: the message for the iterator, or None (a start, a task
+        after its iterable ended, an answer lost with its actor, which was replaced)."""
+        msg, ref = w.pending[0]
+        if ref is _LOCAL:
+            w.pending.popleft()
+            return self._state_reply(w, msg.after_idx)
+        answer = self._get(w, ref)
+        if answer is None:
+            return None
+        w.pending.popleft()
+        return self._took(w, msg, answer)
+
     def _wait_for(self, w: _Worker, ref, msg, clock: Clock) -> bool:
         """Wait for ``ref`` up to the clock's next look; an actor never placed is an error, not a hang."""
         wait = clock.next_wait()
         if msg is _START:
-            wait = min(wait, self._watch_starts(clock, [w]))
+            wait = min(wait, self._watch_starts([w]))
         done, _ = self.ray.wait([ref], timeout=wait)
         if done:
             return True
         clock.check()
         return False
 
-    def _watch_starts(self, clock: Clock, starting: list) -> float:
-        """While the loop has waited (since ``clock.start``) for actors ``starting`` to start: after SPARE_GRACE_S,
-        kill other loaders' idle actors if the cluster lacks room; after EARLY_NOTICE_S, log what the actors wait
-        for (once); after ``start_timeout_s()``, raise. Returns the seconds until the next of these is due."""
+    def _watch_starts(self, starting: list) -> float:
+        """While actors ``starting`` have not started, counted from the earliest start call of theirs: after
+        SPARE_GRACE_S, kill other loaders' idle actors if the cluster lacks room; after EARLY_NOTICE_S, log what
+        the actors wait for (once); after ``start_timeout_s()``, raise. Returns the seconds until the next of these
+        is due.
+
+        Not from when the loop began to wait: out of order, other workers' answers end each wait within moments."""
         if not starting:
             return STATUS_CHECK_S
-        waited = time.monotonic() - clock.start
+        waited = time.monotonic() - min(w.asked for w in starting)
         limit = start_timeout_s()
         if waited >= limit:
             self._start_timed_out(starting, limit)
@@ -426,8 +457,8 @@ class RayPool:
         if msg is _START:
             if w.start is None:  # a replacement's start is its resumed state, not the epoch's
                 w.start = owned(answer["state"])
-                if answer.get("restored") is not None:  # load_state_dict's: "task -1", until its next task
-                    w.last = w.states[-1] = owned(answer["restored"])
+                if answer.get("restored") is not None:  # load_state_dict's, as task RESTORED until its next task
+                    w.last = w.states[m.RESTORED] = owned(answer["restored"])
             w.where = answer["where"]
             return None
         reply, state, buf = answer
@@ -491,10 +522,10 @@ class RayPool:
         if w.resume_msg is not None:
             sync = {"shared_seed": w.resume_msg.shared_seed, "dataset_sync": w.resume_msg.dataset_sync}
         owed = [entry for entry in w.pending if entry[0] is not _START]
-        start = w.actor.start.remote(w.wid, self._spec_ref, resume, sync)  # first: Ray runs calls in their order
+        start = self._begin(w, resume, sync)
         for entry in owed:
             if entry[1] is not _LOCAL:
-                entry[1] = w.actor.call.remote(entry[0])
+                entry[1] = self._call(w, entry[0])
         w.pending = collections.deque([[_START, start], *owed])
         self._noticed = False  # a replacement that finds no room is worth its own notice
         print(f"fastfeed: DataLoader worker {w.wid} (Ray actor) was lost ({type(error).__name__}); a new actor "
@@ -534,6 +565,52 @@ def _first_line(error: BaseException) -> str:
     return text[0] if text else ""
 
 
+class _Wakeup:
+    """A pipe that polls readable once a Ray answer the loop waits for has arrived, so the loop waits for actors and
+    worker processes in one ``poll``: Ray calls back, from a thread of its own, as each watched reference is ready."""
+
+    def __init__(self):
+        self.fd, self._write_fd = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._write_fd, False)  # a full pipe polls readable already: a ring never waits
+        self._lock = threading.Lock()  # a callback after close() must not write into a descriptor number reused
+        self._closed = False
+        self._watched: set = set()  # the watched references' ids (a reference kept would keep its answer's object)
+
+    def watch(self, refs: list) -> None:
+        """Ring once each of ``refs`` is ready (one already ready rings at once); each is watched once."""
+        ids = set()
+        for ref in refs:
+            key = ref.binary()
+            if key not in self._watched:
+                ref.future().add_done_callback(self._ring)
+            ids.add(key)
+        self._watched = ids  # the others were taken: their callbacks have rung or will, once
+
+    def _ring(self, _future) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                os.write(self._write_fd, b"\0")
+            except BlockingIOError:
+                pass
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                os.close(self.fd)
+                os.close(self._write_fd)
+
+
 class MixedPool:
     """Local worker processes (ids ``0 .. local-1``) and Ray actors (the rest) as one pool."""
 
@@ -542,13 +619,15 @@ class MixedPool:
         self._split = remote.first_id
         self.hang_dump_s = local.hang_dump_s
         self._retired: set = set()  # local workers told to stop (their iterable ended): their exit is no death
+        self._wakeup: _Wakeup | None = None  # made when recv_any first waits
+        self._blocked = 0  # recv_any calls that found no answer waiting, and waited
 
     def _of(self, wid: int):
         return self.local if wid < self._split else self.remote
 
     @property
     def blocked(self) -> int:
-        return self.local.blocked + self.remote.blocked
+        return self.local.blocked + self.remote.blocked + self._blocked
 
     @property
     def all_gone(self) -> bool:
@@ -573,26 +652,45 @@ class MixedPool:
         self._of(wid).retire(wid)
 
     def recv_any(self, timeout):
-        """Whichever answers first: each side is looked at in turn, briefly (``in_order=False`` only)."""
+        """Whichever answers first, a process or an actor, both waited for in one ``poll`` (``in_order=False``)."""
         clock = Clock(timeout, self.hang_dump_s, self.dump_stacks)
-        n_local = self._split
+        waited = False
         while True:
-            for wid in range(n_local):
+            if self._wakeup is not None:
+                self._wakeup.drain()  # before looking: an answer that comes after the look rings the poll below
+            for wid in range(self._split):
                 if wid not in self._retired and self.local.workers and self.local.ready(wid):
                     return self.local.recv(wid, timeout)
+            took = False
             for w in self.remote.workers:
                 if w.pending and self.remote.ready(w.wid):
-                    return self.remote.recv(w.wid, timeout)
-            fronts = [ref for w in self.remote.workers for msg, ref in list(w.pending)[:1] if ref is not _LOCAL]
+                    got = self.remote._take(w)
+                    if got is not None:
+                        return got
+                    took = True
+            if took:
+                continue  # nothing for the iterator (a lost actor, a task past its iterable's end): look again
+            if not waited:
+                self._blocked += 1
+                waited = True
             # ready() took every start that had answered: a start still in front has not.
             starting = [w for w in self.remote.workers if w.pending and w.pending[0][0] is _START]
-            self.remote._watch_starts(clock, starting)
-            if fronts:
-                self.remote.ray.wait(fronts, num_returns=1, timeout=0.002)
-            else:
-                time.sleep(0.001)
-            clock.next_wait()
+            self._wait(min(clock.next_wait(), self.remote._watch_starts(starting)))
             clock.check()
+
+    def _wait(self, seconds: float) -> None:
+        """Until a local worker's message (or exit) or an actor's answer is here, or ``seconds`` have passed."""
+        if self._wakeup is None:
+            self._wakeup = _Wakeup()
+        fronts = [w.pending[0][1] for w in self.remote.workers if w.pending]
+        self._wakeup.watch([ref for ref in fronts if ref is not _LOCAL])
+        poller = select.poll()
+        poller.register(self._wakeup.fd, select.POLLIN)
+        for wid, w in enumerate(self.local.workers):
+            if wid not in self._retired:  # its exit is no news, and its ended pipe would poll readable for ever
+                poller.register(w.results.fileno(), _READY)
+                poller.register(w.process.sentinel, _READY)
+        poller.poll(seconds * 1000)
 
     def dump_stacks(self, waited: float) -> None:
         self.local.dump_stacks(waited)
@@ -602,5 +700,10 @@ class MixedPool:
         try:
             self.local.stop(grace, idle)
         finally:
-            self.remote.stop(grace, idle)
+            try:
+                self.remote.stop(grace, idle)
+            finally:
+                if self._wakeup is not None:
+                    self._wakeup.close()
+                    self._wakeup = None
 
