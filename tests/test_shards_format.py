@@ -408,6 +408,177 @@ def test_index_shards_raises_on_a_truncated_or_missing_shard(written, tmp_path):
     assert e.value.shard == str(tmp_path / "gone.tar")
 
 
+# -- headers about other members: GNU L and K, pax x and g ----------------------------------------
+
+_LINK = "t" * 150  # a link target over ustar's 100 chars: GNU writes it in a K header, pax in an x header
+
+
+def _add(t, name, data=b"", kind=tarfile.REGTYPE, linkname="", **pax) -> None:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname, info.size, info.pax_headers = kind, linkname, len(data), pax
+    t.addfile(info, io.BytesIO(data))
+
+
+def _gnu_links_tar(path) -> None:
+    """GNU format: K headers (long link names) before a symlink, a hardlink and, since tarfile writes one for any
+    member with a long linkname, before the regular file that starts sample ``b``; L headers (long names) too."""
+    long_key = "d" * 120
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as t:
+        _add(t, "a.jpg", b"1" * 700)
+        _add(t, f"{long_key}/a.lnk", kind=tarfile.SYMTYPE, linkname=_LINK)  # K, L, then the symlink
+        _add(t, "a.cls", b"0")
+        _add(t, "b.hard.jpg", kind=tarfile.LNKTYPE, linkname=_LINK)  # between samples a and b
+        _add(t, "b.jpg", b"2" * 513, linkname=_LINK)
+        _add(t, "b.cls", b"1")
+        _add(t, f"{long_key}.jpg", b"3" * 100, linkname=_LINK)  # K, L, then the member
+        _add(t, f"{long_key}.txt", b"c")
+
+
+def _pax_globals_tar(path) -> None:
+    """pax format with g headers where tarfile writes them: first (pax_headers= on TarFile), and where a TarFile
+    opened with mode "a" starts (inside sample ``a``, and between samples ``b`` and ``c``); x headers for a long name,
+    a long link name and a fractional mtime."""
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT, pax_headers={"comment": "first"}) as t:
+        _add(t, "a.jpg", b"1" * 700, mtime="1.5")
+    with tarfile.open(path, "a", format=tarfile.PAX_FORMAT, pax_headers={"comment": "inside a"}) as t:
+        _add(t, "a.cls", b"0")
+        _add(t, "a.lnk", kind=tarfile.SYMTYPE, linkname=_LINK)
+        _add(t, f"{'e' * 120}/b.jpg", b"2" * 512)
+        _add(t, f"{'e' * 120}/b.cls", b"1", mtime="2.5")
+    with tarfile.open(path, "a", format=tarfile.PAX_FORMAT, pax_headers={"comment": "between b and c"}) as t:
+        _add(t, "c.jpg", b"3" * 1000, mtime="3.5")
+        _add(t, "c.cls", b"2")
+
+
+def _spliced_tar(path) -> None:
+    """A g header between a member's x header and the member (valid pax, as tarfile reads it): the x header (a
+    ``size`` record for ``b``, an ``mtime`` one for ``c``) still belongs to that member."""
+    glob = tarfile.TarInfo.create_pax_global_header({"comment": "between"})
+    parts = []
+    for name, data, pax in (("a.jpg", b"1" * 700, {}), ("b.jpg", b"2" * 300, {"size": "300"}),
+                            ("c.jpg", b"3" * 10, {"mtime": "4.5"})):  # fmt: skip
+        info = tarfile.TarInfo(name)
+        info.size, info.pax_headers = len(data), pax
+        head = info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+        if pax:
+            assert len(head) == 3 * 512  # the x header, its records, the member's own header
+            head = head[:1024] + glob + head[1024:]
+        parts += [head, data, bytes(-len(data) % 512)]
+    with open(path, "wb") as f:
+        f.write(b"".join(parts) + bytes(1024))
+
+
+def _by_tarfile(path) -> tuple[list[tuple[str, int, dict]], int]:
+    """The samples as tarfile reads the tar: ``(key, offset of the first member's first header, {ext: bytes})``,
+    and where its members end (its end-of-archive block)."""
+    samples = []
+    with tarfile.open(path) as t:
+        for m in t.getmembers():
+            key, ext = tar.split(m.name)
+            if not m.isreg() or key is None:
+                continue
+            if not samples or samples[-1][0] != key:
+                samples.append((key, m.offset, {}))
+            samples[-1][2][ext] = t.extractfile(m).read()
+        return samples, t.offset
+
+
+@pytest.mark.parametrize("make", [_gnu_links_tar, _pax_globals_tar, _spliced_tar])
+def test_scanner_and_reader_agree_with_tarfile_around_k_and_g_headers(tmp_path, make):
+    """read_sample reads each range the scanner finds (at any chunk size) into tarfile's bytes, and the ranges
+    start at tarfile's offsets: a K header is counted in the member after it, and a g header in none."""
+    path = tmp_path / "t.tar"
+    make(path)
+    want, end = _by_tarfile(path)
+    assert len(want) == 3
+    raw = path.read_bytes()
+    for chunk in (tar.CHUNK, 511, 7):
+        scan = tar.Scan(io.BytesIO(raw), str(path), chunk=chunk)
+        found = list(scan.samples())
+        bounds = [at for _, at in found] + [scan.end]
+        got = [(k, tar.read_sample(raw[bounds[i] : bounds[i + 1]], str(path), k)) for i, (k, _) in enumerate(found)]
+        assert got == [(k, d) for k, _, d in want]
+        assert found == [(k, at) for k, at, _ in want]
+        assert (scan.end, scan.size) == (end, len(raw))
+
+
+@pytest.mark.parametrize("make", [_gnu_links_tar, _pax_globals_tar, _spliced_tar])
+def test_members_are_tarfiles_members(tmp_path, make):
+    """The one header walk yields tarfile's members, links included, each once with its name, type, first header
+    and data: an L, K, x or g header is never a member, and a K's link name never a member's name."""
+    path = tmp_path / "t.tar"
+    make(path)
+    raw = path.read_bytes()
+    with tarfile.open(path) as t:
+        want = [(m.offset, m.name, m.type, t.extractfile(m).read() if m.isreg() else b"") for m in t.getmembers()]
+        end = t.offset
+    assert any(m[2] == tarfile.SYMTYPE for m in want) or make is _spliced_tar
+    members = tar.Members(tar._Buffer(memoryview(raw)))
+    got = [(start, name, bytes([t]), raw[at : at + size]) for start, name, t, at, size in members]
+    assert got == want
+    assert members.closed and members.end == end
+
+
+@pytest.mark.parametrize("record", ["path", "size"])
+def test_a_global_pax_header_that_names_or_sizes_members_is_refused(tmp_path, record):
+    """A g header's path or size applies to every member after it (tarfile gives them all its value), which a
+    sample's range cannot see: the scanner and read_sample both refuse it, naming the header."""
+    path = tmp_path / "g.tar"
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as t:
+        _add(t, "a.jpg", b"1" * 700)
+    value = "everything.jpg" if record == "path" else "3"
+    with tarfile.open(path, "a", format=tarfile.PAX_FORMAT, pax_headers={record: value}) as t:
+        _add(t, "a.cls", b"0")
+        _add(t, "b.jpg", b"2")
+    with tarfile.open(path) as t:
+        members = t.getmembers()
+        b_at = members[2].offset
+    assert [str(getattr(m, record)) for m in members[1:]] == [value, value]
+    detail = rf"global pax header at byte 1536( of the sample's \d+)? sets {record} "
+    with pytest.raises(ShardError, match=detail) as e:
+        index_shards([path])
+    assert e.value.key == "a"
+    with pytest.raises(ShardError, match=detail) as e:
+        tar.read_sample(path.read_bytes()[:b_at], str(path), "a")
+    assert e.value.key == "a"
+
+
+@pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT], ids=["gnu", "pax"])
+def test_read_sample_raises_when_cut_after_a_link_name_header(tmp_path, fmt):
+    """A range that ends after the K (GNU) or x (pax) header holding a member's long link name, before the member,
+    raises as one cut after a long-name header does: that header belongs to the member after it."""
+    path = tmp_path / "k.tar"
+    with tarfile.open(path, "w", format=fmt) as t:
+        _add(t, "a.jpg", b"1" * 700)
+        _add(t, "a.cls", b"0", linkname=_LINK)
+    with tarfile.open(path) as t:
+        cls = t.getmember("a.cls")
+        end = t.offset
+    raw = path.read_bytes()
+    assert tar.read_sample(raw[:end], "k.tar", "a") == {"jpg": b"1" * 700, "cls": b"0"}
+    cut = cls.offset_data - 512  # a.cls's own header: its link name's header and records come before
+    assert cut > cls.offset
+    with pytest.raises(ShardError, match="long-name header"):
+        tar.read_sample(raw[:cut], "k.tar", "a")
+
+
+@pytest.mark.parametrize("size", ["-512", "1_0", " 10"])
+def test_a_pax_size_that_is_not_a_plain_number_is_refused(tmp_path, size):
+    """A pax size record that int() would take but no tar reader means ("-512" would step back onto the header)
+    raises ShardError in the scanner and the reader, naming the record."""
+    path = tmp_path / "x.tar"
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as t:
+        _add(t, "a.jpg", b"1" * 700)
+        _add(t, "a.cls", b"0" * 10, size=size)  # tarfile writes the record as given
+    raw = path.read_bytes()
+    assert f" size={size}\n".encode() in raw[2048:2560]
+    with pytest.raises(ShardError, match=rf"pax header at byte 1536: bad size '{size}'") as e:
+        index_shards([path])
+    assert e.value.key == "a"
+    with pytest.raises(ShardError, match="bad size"):
+        tar.read_sample(raw[:-1024], str(path), "a")
+
+
 # -- the index ------------------------------------------------------------------------------------
 
 
