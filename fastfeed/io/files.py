@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 from . import mounts
 from . import remote
 from .cache import Cache
-from .remote import Remote, is_url
+from .remote import Remote, is_url, local_path
 
 _FINAL = (FileNotFoundError, PermissionError, IsADirectoryError)  # retrying will not make these readable
 
@@ -48,7 +48,11 @@ class Files(Dataset):
             SlowDown, a reset or refused connection, a timeout), with backoff from 0.1 s, doubling up to 2 s
             (``fastfeed.io.remote.retry``, as for ``Shards``). A missing file (404) or a denied one (403) fails
             at once.
-        timeout: seconds a remote request may take before it counts as failed.
+        timeout: seconds a remote request may send nothing (the connection, or the next bytes of a body) before
+            it counts as failed; a large file that arrives slowly but steadily is read whole.
+
+    A ``file://`` URL is the local file it names (``fastfeed.io.remote.is_url``), in ``sources`` and as the
+    directory of a pattern alike; a pattern's matches keep that spelling.
     """
 
     def __init__(self, sources, decode: Callable[[bytes], object] | None = None, *, readahead: int = 16,
@@ -90,8 +94,9 @@ class Files(Dataset):
                 except remote.RemoteError as e:
                     raise e.within(f"fastfeed.io.Files: listing {pattern!r} in {directory}") from e
             else:
-                found = globbing.glob(os.path.join(directory, pattern), recursive=True)
-                self._sources = sorted(p for p in found if os.path.isfile(p))
+                found = globbing.glob(os.path.join(local_path(directory), pattern), recursive=True)
+                spelling = "" if directory == local_path(directory) else "file://"
+                self._sources = sorted(spelling + p for p in found if os.path.isfile(p))
             if not self._sources:
                 raise FileNotFoundError(f"Files: no file matches {pattern!r} in {directory}")
         return self._sources
@@ -121,8 +126,8 @@ class Files(Dataset):
             source = self.source(index)
             if is_url(source):
                 future = self.remote.submit(source, functools.partial(self._load_async, local, index))
-            elif self.cache is None and not mounts.is_network(source):
-                _advise(source)  # a local disk: the kernel reads ahead by itself, once asked
+            elif self.cache is None and not mounts.is_network(local_path(source)):
+                _advise(local_path(source))  # a local disk: the kernel reads ahead by itself, once asked
                 continue
             else:
                 future = None
@@ -135,8 +140,7 @@ class Files(Dataset):
         """The bytes of sample ``index``, retried with backoff; errors name the source and the index."""
         source = self.source(index)
         try:
-            # No timeout given: Files' is a total one, and "no data for N s" would misname it.
-            return remote.retry(lambda: self._read(source), self.retries, what=source)
+            return remote.retry(lambda: self._read(source), self.retries, what=source, timeout=self.remote.timeout)
         except _FINAL as e:
             raise _unreadable(e, index, source) from e
         except remote.RemoteError as e:
@@ -147,7 +151,8 @@ class Files(Dataset):
         and errors; only the waits are awaited)."""
         async with local.limit():
             try:
-                return await remote.retry_async(lambda: self._read_async(fs, source), self.retries, what=source)
+                return await remote.retry_async(lambda: self._read_async(fs, source), self.retries, what=source,
+                                                timeout=self.remote.timeout)  # fmt: skip
             except _FINAL as e:
                 raise _unreadable(e, index, source) from e
             except remote.RemoteError as e:
@@ -182,11 +187,11 @@ class Files(Dataset):
             hit = self.cache.get(source, max_age=self.revalidate_s) if remote else None
             if hit is not None:
                 return hit
-            version = self.remote.version(source) if remote else _local_version(source)
+            version = self.remote.version(source) if remote else _local_version(local_path(source))
             hit = self._cached(source, version, remote)
             if hit is not None:
                 return hit
-        data = self.remote.read(source) if remote else _read_local(source)
+        data = self.remote.read(source) if remote else _read_local(local_path(source))
         if self.cache is not None:
             self.cache.put(source, version, data)
         return data
@@ -199,10 +204,12 @@ class Files(Dataset):
         return local
 
     def close(self) -> None:
-        """Stop the reader threads (they are daemons: a process that exits needs no call)."""
+        """Stop the reader threads (they are daemons: a process that exits needs no call) and close this process's
+        connections; both are made again on need."""
         if self._local is not None and self._local.pid == os.getpid():
             self._local.readers.close()
         self._local = None
+        self.remote.close()
 
     def __del__(self) -> None:
         try:

@@ -1,7 +1,18 @@
-"""Remote files (``s3://``, ``gs://``, ``http(s)://`` ...) through fsspec, the ``[remote]`` extra.
+"""Remote files (``s3://``, ``gs://``, ``http(s)://`` ...) through fsspec, the ``[remote]`` extra: the one fetch path.
 
-One filesystem object per protocol and per process: a forked worker must not reuse its parent's event loop or
-connection pool, so instances are made in the process that uses them and never taken from fsspec's shared cache.
+Every remote read of fastfeed (``Files``' reads, version checks and listings; ``Shards``' listing, index, scan,
+size look-ups and downloads) uses this module for four things, so that they cannot drift apart:
+
+- ``is_url`` says what is remote. A ``file://`` URL is not: it names a local file, read as the path it names
+  (``local_path``), with no cache, timeout or retry of its own. Readers keep its spelling in what they return.
+- ``filesystem`` (or ``Filesystems``, one per protocol and per process) makes every filesystem, with connect and
+  read timeouts (``client_options``): a request that sends nothing for ``timeout`` s fails, and a large body that
+  is slow but moving is read to its end, as no total timeout applies.
+- ``retry`` sorts failures (``classify``) and waits between attempts (``backoff``).
+- ``close`` ends a filesystem's connections, through fsspec's and the clients' public API.
+
+Filesystems are made in the process that uses them and never taken from fsspec's shared cache: a forked worker
+must not reuse its parent's event loop or connection pool.
 
 Every read of a dataset's bytes or metadata (``Files``' reads, version checks and listing; ``Shards``' listing,
 index, scan, size look-ups and downloads) goes through ``retry``: one rule for what is worth another attempt and
@@ -19,12 +30,17 @@ import http
 import itertools
 import logging
 import os
+import sys
+import threading
 import time
+import weakref
 from concurrent.futures import Future
 from typing import Awaitable, Callable, TypeVar
 
 HINT = "pip install 'fastfeed[remote]' (fsspec, plus s3fs or gcsfs for the clouds)"
 _VERSION_KEYS = ("ETag", "etag", "mtime", "LastModified", "last_modified", "Last-Modified", "updated", "md5_hash")
+DEFAULT_TIMEOUT_S = 60.0  # connect and read timeouts of a filesystem made without one (index writes, listings)
+CLOSE_TIMEOUT_S = 5.0  # closing a client waits on the event loop at most this long
 BACKOFF_S = 0.1  # the wait before the first retry; it doubles with each further one
 MAX_BACKOFF_S = 2.0  # ... up to this: a store shedding load recovers in seconds, and a rank must not idle longer
 # Errors of the program or the installation, not of the store: another attempt cannot change them.
@@ -38,7 +54,15 @@ T = TypeVar("T")
 
 
 def is_url(source: str) -> bool:
+    """Whether ``source`` is remote: a URL of any protocol but ``file``. ``file:///data/x.tar`` is the local file
+    ``/data/x.tar`` (fsspec's file protocol means the same), so every reader takes it exactly as that path."""
     return "://" in source and not source.startswith("file://")
+
+
+def local_path(source: str) -> str:
+    """The local path a ``file://`` URL names (fsspec's rule: the part after ``file://``); any other source as it
+    is."""
+    return source[len("file://") :] if source.startswith("file://") else source
 
 
 def protocol(url: str) -> str:
@@ -46,12 +70,13 @@ def protocol(url: str) -> str:
 
 
 def client_options(proto: str, storage_options: dict | None, timeout: float | None) -> dict:
-    """fsspec options for ``proto`` with ``timeout`` as the connect and read timeouts (a request that sends
-    nothing for that long fails), never as a total one, which would cut a large body that is slow but moving.
-    The user's own ``storage_options`` win."""
+    """fsspec options for ``proto`` with ``timeout`` (None: ``DEFAULT_TIMEOUT_S``) as the connect and read
+    timeouts (a request that sends nothing for that long fails), never as a total one, which would cut a large
+    body that is slow but moving (aiohttp's own default is a total of 5 minutes). The user's own
+    ``storage_options`` win."""
     options = dict(storage_options or {})
     if timeout is None:
-        return options
+        timeout = DEFAULT_TIMEOUT_S
     if proto in ("http", "https"):
         import aiohttp
 
@@ -264,37 +289,128 @@ def _refused(error: BaseException) -> bool:
                for e in (error, cause))  # fmt: skip
 
 
+# -- filesystems: made and closed in one place --------------------------------------------------------------------
+
+# Every filesystem made here and still alive, by id (fsspec filesystems of equal options compare equal, so a set
+# would keep one of them).
+_LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+# In a forked child: its parent's filesystems, kept alive for the child's life (see _keep_inherited).
+_INHERITED: list = []
+
+
+def _keep_inherited() -> None:
+    """A forked child keeps every filesystem its parent made. fsspec closes an HTTP or S3 filesystem's client in a
+    finalizer when the object is collected; collected in the child (a Fetcher dropping its parent's filesystems,
+    a reference cycle freed late), that finalizer would wait on the parent's event loop, which no thread runs in
+    the child (a second per filesystem), then close the parent's connections from the child's copy of its loop.
+    Never collected there, it never runs there; a loader's worker leaves through ``os._exit``, skipping the
+    finalizers left at exit."""
+    _INHERITED.extend(_LIVE.values())
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_keep_inherited)
+
+
+def filesystem(url: str, storage_options: dict | None = None, timeout: float | None = None, *,
+               who: str = "fastfeed") -> tuple:  # fmt: skip
+    """``(fsspec filesystem, path in it)`` for ``url``, a new instance (never fsspec's shared one) with the
+    timeouts of ``client_options`` (``timeout`` None: ``DEFAULT_TIMEOUT_S``). ``who`` leads the error raised
+    when fsspec is not installed. Close it with ``close`` when done."""
+    try:
+        import fsspec.core
+    except ImportError:
+        raise ImportError(f"{who}: reading {url} needs fsspec: {HINT}") from None
+    options = client_options(protocol(url), storage_options, timeout)
+    fs, path = fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)
+    _LIVE[id(fs)] = fs
+    return fs, path
+
+
+def close(fs) -> None:
+    """Close ``fs``'s connections now, in this process; ``fs`` is not to be used after. Never raises: it runs in
+    ``finally`` blocks, after the error that matters.
+
+    Public API only: an async filesystem's ``set_session()`` (fsspec's HTTP and s3fs alike) returns the client it
+    uses, an aiohttp ``ClientSession`` or an aiobotocore client, whose ``close()`` ends its connection pool; both
+    run on the filesystem's own event loop. A filesystem another process made (a forked child's copy of its
+    parent's) raises RuntimeError on ``fs.loop``: its connections are its maker's to close.
+    """
+    if not getattr(fs, "async_impl", False) or not hasattr(fs, "set_session"):
+        return  # local, memory...: nothing pooled
+    if getattr(fs, "session", True) is None:
+        return  # s3fs before its first request: no client yet, and set_session() would look for credentials
+    if sys.is_finalizing():
+        return  # the event loop's thread may be gone: fsspec's own finalizer closes the sockets
+    try:
+        from fsspec.asyn import sync
+
+        loop = fs.loop
+        client = sync(loop, fs.set_session, timeout=CLOSE_TIMEOUT_S)
+        sync(loop, client.close, timeout=CLOSE_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 - a filesystem that cannot be closed here is left to its finalizer
+        log.debug("fastfeed: closing %s: %s", type(fs).__name__, describe(e))
+
+
+class Filesystems:
+    """This process's filesystems, one per protocol, made by ``filesystem`` on first use and closed together by
+    ``close``. A forked child makes its own (its parent's event loop and connections are not its to use); pickled,
+    only the options travel."""
+
+    def __init__(self, storage_options: dict | None = None, timeout: float | None = None, *,
+                 who: str = "fastfeed") -> None:  # fmt: skip
+        self.storage_options = dict(storage_options or {})
+        self.timeout = timeout
+        self.who = who
+        self._pid = None
+        self._made: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        return {"storage_options": self.storage_options, "timeout": self.timeout, "who": self.who}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["storage_options"], state["timeout"], who=state["who"])
+
+    def get(self, url: str):
+        """This process's filesystem for ``url``'s protocol."""
+        if self._pid != os.getpid():  # a forked child: its parent's filesystems (and lock) are not its own
+            self._pid, self._made, self._lock = os.getpid(), {}, threading.Lock()
+        proto = protocol(url)
+        with self._lock:
+            fs = self._made.get(proto)
+            if fs is None:
+                fs = self._made[proto] = filesystem(url, self.storage_options, self.timeout, who=self.who)[0]
+        return fs
+
+    def close(self) -> None:
+        """Close this process's connections; the filesystems are made anew on next use."""
+        if self._pid != os.getpid():
+            return
+        with self._lock:
+            made, self._made = self._made, {}
+        for fs in made.values():
+            close(fs)
+
+
 # -- Files' filesystems -------------------------------------------------------------------------------------------
 
 
 class Remote:
-    """fsspec access with a timeout on every request, so a server that never answers gives an error, not a hang."""
+    """fsspec access for ``Files``: connect and read timeouts on every request (``client_options``), so a server
+    that stops sending gives an error, not a hang, and a large file that arrives slowly but steadily is read
+    whole."""
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
-        self._pid = None
-        self._fs: dict[str, object] = {}
-
-    def __getstate__(self) -> dict:
-        return {"timeout": self.timeout, "_pid": None, "_fs": {}}
+        self._filesystems = Filesystems(None, timeout, who="fastfeed.io.Files")
 
     def fs(self, url: str):
-        if self._pid != os.getpid():
-            self._pid, self._fs = os.getpid(), {}
-        proto = protocol(url)
-        fs = self._fs.get(proto)
-        if fs is None:
-            try:
-                import fsspec
-            except ImportError:
-                raise ImportError(f"fastfeed.io.Files: reading {url} needs fsspec: {HINT}") from None
-            kwargs = {}
-            if proto in ("http", "https"):
-                import aiohttp
+        return self._filesystems.get(url)
 
-                kwargs["client_kwargs"] = {"timeout": aiohttp.ClientTimeout(total=self.timeout)}
-            fs = self._fs[proto] = fsspec.filesystem(proto, skip_instance_cache=True, **kwargs)
-        return fs
+    def close(self) -> None:
+        """Close this process's connections (made anew on next use)."""
+        self._filesystems.close()
 
     def read(self, url: str) -> bytes:
         return self.fs(url).cat_file(url)
@@ -320,7 +436,7 @@ class Remote:
         """The URLs under ``directory`` that match ``pattern``, sorted; the listing is retried as reads are."""
         fs = self.fs(directory)
         where = directory.rstrip("/") + "/" + pattern
-        found = retry(lambda: fs.glob(where), retries, what=f"listing {where}")  # no timeout=: Files' is a total one
+        found = retry(lambda: fs.glob(where), retries, what=f"listing {where}", timeout=self.timeout)
         return sorted(fs.unstrip_protocol(p) if not is_url(p) else p for p in found)
 
 

@@ -4,8 +4,9 @@ A shard is large (often hundreds of MB), so it streams in chunks, never whole in
 as the bytes pass. A request that stops sending ends by a *read* timeout (no byte for ``timeout`` s), never by a
 total one, which would cut a large download that is merely slow.
 
-As in ``fastfeed.io.remote``, each process makes its own filesystem objects (``skip_instance_cache``): a forked
-worker must not use its parent's event loop or connection pool.
+Filesystems, their timeouts and their closing are ``fastfeed.io.remote``'s (``Filesystems``), as for every remote
+read: each process makes its own, since a forked worker must not use its parent's event loop or connection pool.
+A ``file://`` URL is the local file it names (``remote.local_path``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import os
 import threading
 import zlib
 
-from ..remote import HINT, client_options, is_url, protocol
+from .. import remote
+from ..remote import is_url, local_path, protocol
 
 CHUNK = 1 << 20  # bytes per read: large enough that a chunk's cost is the network's, not Python's
 
@@ -30,9 +32,7 @@ class Fetcher:
     def __init__(self, storage_options: dict | None, timeout: float) -> None:
         self.storage_options = dict(storage_options or {})
         self.timeout = timeout
-        self._pid = None
-        self._fs: dict[str, object] = {}
-        self._lock = threading.Lock()
+        self._filesystems = remote.Filesystems(self.storage_options, timeout, who="fastfeed.io.Shards")
 
     def __getstate__(self) -> dict:
         return {"storage_options": self.storage_options, "timeout": self.timeout}
@@ -42,24 +42,12 @@ class Fetcher:
 
     def fs(self, url: str):
         """This process's filesystem for ``url``'s protocol."""
-        if self._pid != os.getpid():  # a forked child: its parent's filesystems (and lock) are not its own
-            self._pid, self._fs, self._lock = os.getpid(), {}, threading.Lock()
-        proto = protocol(url)
-        with self._lock:
-            fs = self._fs.get(proto)
-            if fs is None:
-                try:
-                    import fsspec
-                except ImportError:
-                    raise ImportError(f"fastfeed.io.Shards: reading {url} needs fsspec: {HINT}") from None
-                options = client_options(proto, self.storage_options, self.timeout)
-                fs = self._fs[proto] = fsspec.filesystem(proto, skip_instance_cache=True, **options)
-        return fs
+        return self._filesystems.get(url)
 
     def size(self, url: str) -> int:
         """The shard's size in bytes, asked of its store (FileNotFoundError when it is missing)."""
         if not is_url(url):
-            return os.stat(url.removeprefix("file://")).st_size
+            return os.stat(local_path(url)).st_size
         return int(self.fs(url).info(url)["size"])
 
     def copy(self, url: str, fd: int, size: int | None, stop: threading.Event | None = None) -> tuple[int, int]:
@@ -84,7 +72,7 @@ class Fetcher:
 
     def _open(self, url: str, size: int | None):
         if not is_url(url):
-            return open(url.removeprefix("file://"), "rb", buffering=0)
+            return open(local_path(url), "rb", buffering=0)
         fs = self.fs(url)
         if protocol(url) in ("http", "https"):
             # block_size=0: one streamed GET (not a ranged request per block); a known size spares the HEAD.
@@ -93,21 +81,4 @@ class Fetcher:
 
     def close(self) -> None:
         """Close this process's connection pools (the filesystems are made anew on next use)."""
-        if self._pid != os.getpid():
-            return
-        with self._lock:
-            made, self._fs = self._fs, {}
-        for fs in made.values():
-            _close(fs)
-
-
-def _close(fs) -> None:
-    loop = getattr(fs, "loop", None)
-    session = getattr(fs, "_session", None)
-    if session is not None and hasattr(fs, "close_session"):  # fsspec's HTTP filesystem
-        fs.close_session(loop, session)
-        fs._session = None
-    creator = getattr(fs, "_s3creator", None)
-    if getattr(fs, "_s3", None) is not None and creator is not None:  # s3fs: its client's context closes its pool
-        fs.close_session(loop, creator)
-        fs._s3 = fs._s3creator = None
+        self._filesystems.close()

@@ -35,7 +35,7 @@ import json
 import os
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -47,6 +47,41 @@ from .tar import CHUNK, Scan
 FILENAME = "fastfeed-index.json"
 FORMAT = "fastfeed-shard-index"
 VERSION = 1
+
+
+class Keys(NamedTuple):
+    """Sample keys, compactly: their UTF-8 bytes end to end, and each one's length."""
+
+    blob: bytes
+    lengths: np.ndarray  # int64
+
+    @classmethod
+    def of(cls, keys: Sequence[str]) -> Keys:
+        encoded = [k.encode("utf-8", "surrogateescape") for k in keys]
+        return cls(b"".join(encoded), np.fromiter(map(len, encoded), np.int64, len(encoded)))
+
+    @classmethod
+    def join(cls, parts: Sequence[Keys]) -> Keys:
+        return cls(b"".join(p.blob for p in parts),
+                   np.concatenate([p.lengths for p in parts]) if parts else np.zeros(0, np.int64))  # fmt: skip
+
+
+def compact_shard(shard, strict: bool = False):
+    """A shard entry of the index's JSON with its per-sample lists made compact: ``lengths`` an int64 array and
+    ``keys`` ``Keys``. As ``json.loads``' object_hook it runs as each shard's entry is parsed, so that a large index
+    never holds every key as a Python str at once (a str is ~60 bytes; 100M keys would be 6 GB); anything else
+    passes through (``strict``: a shard entry whose lists are not a shard's raises TypeError)."""
+    if strict and not isinstance(shard, dict):
+        raise TypeError(f"a shard's entry must be an object, not {type(shard).__name__}")
+    if isinstance(shard, dict) and isinstance(shard.get("keys"), list) and isinstance(shard.get("lengths"), list):
+        try:
+            return dict(shard, lengths=np.asarray(shard["lengths"], dtype=np.int64), keys=Keys.of(shard["keys"]))
+        except (AttributeError, TypeError, ValueError):
+            if strict:
+                raise TypeError("a shard's keys must be strings and its lengths integers") from None
+    elif strict and not (isinstance(shard.get("keys"), Keys) and isinstance(shard.get("lengths"), np.ndarray)):
+        raise TypeError("a shard's keys and lengths must be lists")
+    return shard
 
 
 class ShardIndex:
@@ -63,8 +98,8 @@ class ShardIndex:
     """
 
     def __init__(self, urls: Sequence[str], sizes, crcs, counts, offsets, keys) -> None:
-        """Build from per-shard arrays (``offsets`` as in the class docstring, ``keys`` a list of every sample's key
-        in global order). ``ShardIndex.from_shards`` and ``load`` are the usual ways in."""
+        """Build from per-shard arrays (``offsets`` as in the class docstring, ``keys`` every sample's key in global
+        order: a list, or ``Keys``). ``ShardIndex.from_shards`` and ``load`` are the usual ways in."""
         self.urls = list(urls)
         n = len(self.urls)
         self.sizes = np.asarray(sizes, dtype=np.int64).reshape(n)
@@ -74,26 +109,29 @@ class ShardIndex:
         np.cumsum(self.counts, out=self.starts[1:])
         total = int(self.starts[-1])
         self.offsets = np.asarray(offsets, dtype=np.int64).reshape(total + n)
-        if len(keys) != total:
-            raise ValueError(f"ShardIndex: {len(keys)} keys for {total} samples")
-        # Millions of str objects pickle slowly to every worker; one bytes blob and its boundaries do not.
-        encoded = [k.encode("utf-8", "surrogateescape") for k in keys]
+        # Millions of str objects cost ~60 bytes each and pickle slowly to every worker; one bytes blob and its
+        # boundaries do not, and a key is decoded only when asked for.
+        keys = keys if isinstance(keys, Keys) else Keys.of(keys)
+        if len(keys.lengths) != total:
+            raise ValueError(f"ShardIndex: {len(keys.lengths)} keys for {total} samples")
         self._key_ends = np.zeros(total + 1, dtype=np.int64)
-        np.cumsum([len(e) for e in encoded], out=self._key_ends[1:])
-        self._key_blob = b"".join(encoded)
+        np.cumsum(keys.lengths, out=self._key_ends[1:])
+        self._key_blob = keys.blob
         for name in ("sizes", "crcs", "counts", "starts", "offsets", "_key_ends"):
             getattr(self, name).flags.writeable = False
 
     @classmethod
     def from_shards(cls, shards: Sequence[dict]) -> ShardIndex:
-        """From one dict per shard: ``url``, ``size``, ``crc32``, ``keys`` (list) and ``offsets`` (len(keys) + 1)."""
+        """From one dict per shard: ``url``, ``size``, ``crc32``, ``keys`` (a list, or ``Keys``) and ``offsets``
+        (len(keys) + 1)."""
         offsets = [np.asarray(s["offsets"], dtype=np.int64) for s in shards]
-        for s, o in zip(shards, offsets):
-            if len(o) != len(s["keys"]) + 1:
-                raise ValueError(f"ShardIndex: shard {s['url']} has {len(s['keys'])} keys and {len(o)} offsets")
+        keys = [s["keys"] if isinstance(s["keys"], Keys) else Keys.of(s["keys"]) for s in shards]
+        for s, o, k in zip(shards, offsets, keys):
+            if len(o) != len(k.lengths) + 1:
+                raise ValueError(f"ShardIndex: shard {s['url']} has {len(k.lengths)} keys and {len(o)} offsets")
         return cls([s["url"] for s in shards], [s["size"] for s in shards], [s["crc32"] for s in shards],
-                   [len(s["keys"]) for s in shards], np.concatenate(offsets) if offsets else np.zeros(0, np.int64),
-                   [k for s in shards for k in s["keys"]])  # fmt: skip
+                   [len(k.lengths) for k in keys], np.concatenate(offsets) if offsets else np.zeros(0, np.int64),
+                   Keys.join(keys))  # fmt: skip
 
     # -- queries ----------------------------------------------------------------------------------
 
@@ -135,6 +173,10 @@ class ShardIndex:
     def shard_keys(self, k: int) -> list[str]:
         return [self.key(i) for i in range(int(self.starts[k]), int(self.starts[k + 1]))]
 
+    def _shard_key_bytes(self, k: int) -> Keys:
+        ends = self._key_ends[int(self.starts[k]):int(self.starts[k + 1]) + 1]
+        return Keys(self._key_blob[int(ends[0]):int(ends[-1])], np.diff(ends))
+
     def shard_offsets(self, k: int) -> np.ndarray:
         """The ``counts[k] + 1`` offsets of shard k's samples."""
         a = int(self.starts[k]) + k
@@ -148,7 +190,7 @@ class ShardIndex:
             raise ValueError(f"ShardIndex.subset: {len(missing)} shards are not in this index, e.g. {missing[0]}")
         ks = [where[u] for u in urls]
         return ShardIndex.from_shards([{"url": self.urls[k], "size": int(self.sizes[k]), "crc32": int(self.crcs[k]),
-                                        "keys": self.shard_keys(k), "offsets": self.shard_offsets(k)}
+                                        "keys": self._shard_key_bytes(k), "offsets": self.shard_offsets(k)}
                                        for k in ks])  # fmt: skip
 
     @property
@@ -197,13 +239,14 @@ class ShardIndex:
         shards = []
         try:
             for s in doc["shards"]:
-                lengths = np.asarray(s["lengths"], dtype=np.int64)
+                s = compact_shard(s, strict=True)
+                lengths = s["lengths"]
                 offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
                 offsets[0] = s["first"]
                 np.cumsum(lengths, out=offsets[1:])
                 offsets[1:] += s["first"]
                 shards.append({"url": _absolute(s["url"], base), "size": s["size"], "crc32": s["crc32"],
-                               "keys": list(s["keys"]), "offsets": offsets})  # fmt: skip
+                               "keys": s["keys"], "offsets": offsets})  # fmt: skip
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{where}: damaged shard index ({type(e).__name__}: {e})") from None
         return cls.from_shards(shards)
@@ -212,7 +255,7 @@ class ShardIndex:
         """Write the index as JSON to ``dest`` (a path or fsspec URL of the file, or of a directory to put
         ``fastfeed-index.json`` in); returns where it went. Written to a temporary name and renamed when local."""
         dest = os.fspath(dest)
-        if _is_url(dest):
+        if _has_scheme(dest):
             if dest.endswith("/"):
                 dest += FILENAME
             data = json.dumps(self.to_json(_dirname(dest)), separators=(",", ":")).encode()
@@ -246,7 +289,7 @@ class ShardIndex:
         raises FileNotFoundError at once, and a read that failed for good OSError naming the index and the cause.
         """
         src = os.fspath(src)
-        if _is_url(src):
+        if remote.is_url(src):
             with sources.opened(src, storage_options, timeout) as (fs, path):
                 where = [src]
 
@@ -269,16 +312,18 @@ class ShardIndex:
                     raise e.within(f"shard index {where[0]}: reading it") from e
             src = where[0]
         else:
-            src = os.path.abspath(src)
-            if os.path.isdir(src):
-                src = os.path.join(src, FILENAME)
+            path = os.path.abspath(remote.local_path(src))
+            if os.path.isdir(path):
+                path = os.path.join(path, FILENAME)
+            # A file:// index keeps that spelling, so that its shards' relative names resolve to file:// URLs too.
+            src = path if src == remote.local_path(src) else "file://" + path
             try:
-                with open(src, "rb") as f:
+                with open(path, "rb") as f:
                     raw = f.read()
             except FileNotFoundError:
                 raise FileNotFoundError(f"shard index {src}: not found (build one with fastfeed.io.index_shards)")
         try:
-            doc = json.loads(raw)
+            doc = json.loads(raw, object_hook=compact_shard)  # each shard's lists compacted as it is parsed
         except ValueError as e:
             raise ValueError(f"shard index {src}: not JSON ({e})") from None
         return cls.from_json(doc, _dirname(src), where=f"shard index {src}")
@@ -336,7 +381,7 @@ def index_shards(source, *, dest=None, storage_options: dict | None = None, num_
             sources.release(fs)
     index = ShardIndex.from_shards(shards)
     if dest is True:
-        index.save(_dirname(urls[0]) + ("/" if _is_url(urls[0]) else os.sep) + FILENAME, storage_options)
+        index.save(_dirname(urls[0]) + ("/" if _has_scheme(urls[0]) else os.sep) + FILENAME, storage_options)
     elif dest is not None and dest is not False:
         index.save(dest, storage_options)
     return index
@@ -347,7 +392,7 @@ def scan_shard(url: str, storage_options: dict | None = None, fs_cache: dict | N
     """One shard's entry (``url``, ``size``, ``crc32``, ``keys``, ``offsets``), from one streaming read; a read
     that fails transiently is started again from the shard's first byte, up to ``retries`` more times."""
     fs = None
-    if _is_url(url):
+    if remote.is_url(url):
         fs_key = url.split("://", 1)[0]
         cache = fs_cache if fs_cache is not None else {}
         if fs_key not in cache:
@@ -357,7 +402,10 @@ def scan_shard(url: str, storage_options: dict | None = None, fs_cache: dict | N
 
     def scan() -> dict:
         last_key[0] = None
-        f = fs.open(fs._strip_protocol(url), "rb", block_size=CHUNK) if fs is not None else open(url, "rb", buffering=0)
+        if fs is not None:
+            f = fs.open(fs._strip_protocol(url), "rb", block_size=CHUNK)
+        else:
+            f = open(remote.local_path(url), "rb", buffering=0)
         with f:
             scan = Scan(f, url)
             keys, offsets = [], []
@@ -377,6 +425,9 @@ def scan_shard(url: str, storage_options: dict | None = None, fs_cache: dict | N
         raise
     except OSError as e:  # a local path that is not a file (IsADirectoryError...)
         raise ShardError(url, f"could not be read ({remote.describe(e)})") from e
+    finally:
+        if fs is not None and fs_cache is None:  # this call's own filesystem; a caller's cache is closed by it
+            sources.release(fs)
 
 
 def _bar(progress: bool, total: int, desc: str, unit: str):
@@ -400,12 +451,14 @@ def _protocols(fs) -> tuple:
     return (p,) if isinstance(p, str) else tuple(p)
 
 
-def _is_url(s: str) -> bool:
+def _has_scheme(s: str) -> bool:
+    # How a location is joined and split: by "/" when it has a scheme, file:// included (which remote.is_url does
+    # not call remote, since it is read locally), else as an OS path.
     return "://" in s
 
 
 def _dirname(location: str) -> str:
-    if _is_url(location):
+    if _has_scheme(location):
         return location.rstrip("/").rsplit("/", 1)[0]
     return os.path.dirname(os.path.abspath(location))
 
@@ -414,9 +467,9 @@ def _relative(url: str, base: str | None) -> str:
     """``url`` relative to directory ``base`` when it is inside it, else as it is."""
     if base is None:
         return url
-    if _is_url(url) != _is_url(base):
+    if _has_scheme(url) != _has_scheme(base):
         return url
-    if _is_url(url):
+    if _has_scheme(url):
         prefix = base.rstrip("/") + "/"
         return url[len(prefix) :] if url.startswith(prefix) else url
     rel = os.path.relpath(url, base)
@@ -424,8 +477,8 @@ def _relative(url: str, base: str | None) -> str:
 
 
 def _absolute(url: str, base: str | None) -> str:
-    if _is_url(url) or base is None or os.path.isabs(url):
+    if _has_scheme(url) or base is None or os.path.isabs(url):
         return url
-    if _is_url(base):
+    if _has_scheme(base):
         return base.rstrip("/") + "/" + url
     return os.path.normpath(os.path.join(base, url))

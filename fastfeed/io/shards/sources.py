@@ -4,12 +4,14 @@ Brace patterns follow webdataset's (the ``braceexpand`` package's) rules, so a p
 webdataset names the same shards, in the same order, here: ``{a,b}`` alternatives, ``{000..099}`` ranges (zero
 padded to the wider end when either end has a leading zero), ``{1..9..2}`` steps, ``{a..e}`` letter ranges, nesting,
 any number of braces, ``\\{`` for a literal brace.
+
+A ``file://`` source is the local path it names (``remote.is_url``): it is listed as that path is, and what it
+names comes back spelled as it was given (``file:///data/a-*.tar`` -> ``file:///data/a-0.tar``, ...).
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
 
 import glob as globbing
 import itertools
@@ -17,7 +19,7 @@ import os
 import re
 
 from .. import remote
-from ..remote import HINT, is_url
+from ..remote import is_url
 
 SUFFIX = ".tar"  # what a directory's listing keeps
 _GLOB = re.compile(r"[*?\[]")
@@ -66,8 +68,12 @@ def resolve(source, storage_options: dict | None = None, *, retries: int = 3, ti
             listed = _GLOB.search(s.split("://", 1)[-1])
             out.extend(resolve(s, storage_options, retries=retries, timeout=timeout) if listed else [_absolute(s)])
         return out
-    if is_url(source) or source.startswith("file://"):
+    if is_url(source):
         return _resolve_url(source, storage_options, retries, timeout)
+    if source != remote.local_path(source):
+        # The local path's shards, spelled back as the source was: the index beside them names them so too.
+        return ["file://" + p for p in resolve(remote.local_path(source), storage_options, retries=retries,
+                                               timeout=timeout)]  # fmt: skip
     if _GLOB.search(source):
         found = sorted(os.path.abspath(p) for p in globbing.glob(source) if os.path.isfile(p))
         if not found:
@@ -84,16 +90,9 @@ def resolve(source, storage_options: dict | None = None, *, retries: int = 3, ti
 
 
 def filesystem(url: str, storage_options: dict | None = None, timeout: float | None = None):
-    """``(fsspec filesystem, path)`` for ``url``, with a clear error when fsspec is not installed; ``timeout``:
-    seconds a request may send nothing (connect and read timeouts, as for downloads), None: the client's own."""
-    try:
-        import fsspec.core
-    except ImportError:
-        raise ImportError(f"fastfeed shards: {url} needs fsspec: {HINT}") from None
-    # A filesystem of our own, never fsspec's shared instance: it closes its connections once dropped, and a
-    # forked worker never inherits one whose event loop and connections are its parent's.
-    options = remote.client_options(remote.protocol(url), storage_options, timeout)
-    return fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)
+    """``(fsspec filesystem, path)`` for ``url``: ``remote.filesystem``'s, with its connect and read timeouts
+    (``timeout`` None: ``remote.DEFAULT_TIMEOUT_S``). Close it with ``release``."""
+    return remote.filesystem(url, storage_options, timeout, who="fastfeed shards")
 
 
 @contextlib.contextmanager
@@ -106,18 +105,7 @@ def opened(url: str, storage_options: dict | None = None, timeout: float | None 
         release(fs)
 
 
-def release(fs) -> None:
-    """Close ``fs``'s connections now, in this process.
-
-    fsspec closes an async filesystem's session (HTTP, S3) in a finalizer that runs when the filesystem is
-    collected. Collected late (a reference cycle, a traceback), that can happen in a forked worker, where the
-    finalizer waits on the parent's event loop, which no thread runs there, until its timeout: about a second
-    added to the first batch of a loader whose workers are forked after the dataset looked up its shards.
-    """
-    for final in list(weakref.finalize._registry):
-        info = final.peek()
-        if info is not None and info[0] is fs:
-            final()
+release = remote.close  # the name the shard modules (index, write) close their filesystems by
 
 
 def _resolve_url(source: str, storage_options: dict | None, retries: int, timeout: float) -> list[str]:

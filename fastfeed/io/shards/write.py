@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
 from . import sources
-from .index import FILENAME, ShardIndex, _bar, _is_url
+from .index import FILENAME, ShardIndex, _bar, _has_scheme
 from .tar import BLOCK, split
 
 SHARD_BYTES = 256 << 20  # webdataset suggests 100 MB - 1 GB: large sequential reads, few files to list
@@ -291,7 +291,7 @@ def _sample_bytes(key: str, members: list, i: int) -> bytes:
 class _Destination:
     def __init__(self, dest: str, pattern: str, storage_options: dict | None, overwrite: bool) -> None:
         self.dest, self.pattern, self.storage_options = dest, pattern, storage_options
-        self.remote = _is_url(dest)
+        self.remote = _has_scheme(dest)
         glob = re.sub(r"%[-+ #0]*\d*d", "*", pattern.replace("*", "[*]"))
         if self.remote:
             self.fs, path = sources.filesystem(dest, storage_options)
