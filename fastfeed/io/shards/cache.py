@@ -8,21 +8,29 @@ downloads about ``data - cache``, the least any policy can.
 
 On disk, one directory per dataset (``<cache_dir>/<fingerprint[:16]>``, made 0700)::
 
-    entries/<k>.tar   complete, verified shards (the index's shard number k)
+    entries/<k>.tar   complete, verified shards (the index's shard number k); an entry's mtime is its last use
     tmp/<k>.<pid>.<n> downloads in progress, renamed into entries/ once whole and checked
     locks/<k>         one flock per shard: whoever holds it is the only process downloading that shard
-    state.json        the byte accounting, the LRU clock and the machine-wide stats, rewritten under state.lock
+    hits/<pid>.<id>   one process's count of hits, mapped into its memory, flocked while that process counts
+    state.json        the byte accounting and the other machine-wide counters, rewritten under state.lock
 
-Every change to ``state.json`` happens under an exclusive ``flock`` of ``state.lock``, so all processes together
-keep ``entries + downloads in flight <= limit``: a download reserves its size before its first byte, and an
-eviction unlinks its entry before the room is handed out. A reader keeps an open descriptor, so unlinking an entry
-it is reading costs it nothing (the inode lives until it closes).
+``state.json`` changes only when bytes are reserved or freed (and when the stats are read or reset, which folds in
+the counts of processes that stopped counting), always under an exclusive ``flock`` of ``state.lock``, so all
+processes together keep ``entries + downloads in flight <= limit``: a download reserves its size before its first
+byte, and an eviction unlinks its entry before the room is handed out.
+
+A hit takes no lock and writes nothing shared: many processes reading thousands of cached shards an epoch would
+otherwise queue on that one lock. It opens the entry, checks its size, sets the entry's mtime (the LRU clock,
+read only when evicting) and adds one to its own process's counter (``stats()`` sums the counters). An eviction
+unlinks the entry, so a hit's open either comes first, and its descriptor keeps the bytes, or fails, and the
+shard is fetched again.
 
 Integrity: a download goes to a private temporary file, its size and CRC-32 are checked against the index, and only
 then is it renamed into ``entries/`` (atomic). A process killed mid-download leaves a temporary file and a
 reservation whose shard lock the kernel has released; the next process to take that lock or to need room removes
-both. An entry is therefore always whole, whoever crashed. (The rename is not fsynced: a power loss, unlike a
-crash, can leave a renamed entry whose blocks never reached the disk; its size is checked at each use.)
+both (and accounts an entry the dead process renamed but did not record). An entry is therefore always whole,
+whoever crashed. (The rename is not fsynced: a power loss, unlike a crash, can leave a renamed entry whose blocks
+never reached the disk; its size is checked at each use.)
 """
 
 from __future__ import annotations
@@ -33,7 +41,9 @@ import itertools
 import json
 import logging
 import math
+import mmap
 import os
+import struct
 import threading
 import time
 from collections import deque
@@ -47,9 +57,18 @@ from .fetch import Cancelled, Fetcher
 
 POLICIES = ("farthest", "lru")
 COUNTERS = ("downloaded_bytes", "downloads", "hits", "evictions")
-POLL_S = 0.05  # waiting for room that another process may free
+# Waiting for room that another process may free: its release is not announced across processes, so the wait
+# backs off from WAIT_MIN_S (room freed soon is taken soon) to WAIT_MAX_S (a long wait costs few look-ups).
+WAIT_MIN_S, WAIT_MAX_S = 0.005, 0.2
 WAIT_NOTICE_S = 3.0  # a read still waiting for room this long says so, long before wait_s ends it
-_STATE, _STATE_LOCK = "state.json", "state.lock"
+# close(): how long background downloads get to stop between two chunks before the ones still blocked in a
+# request (up to `timeout` s, which close() must not wait) are abandoned.
+CLOSE_GRACE_S = 1.0
+_STATE, _STATE_LOCK, _HITS_LOCK = "state.json", "state.lock", "hits.lock"
+_HIT_COUNT = struct.Struct("<q")
+# Temporary files' numbers, unique within the process for its life: an abandoned download outlives the close()
+# that abandoned it, and must never share a name with one started after.
+_NAMES = itertools.count()
 
 NextUse = Callable[[int], float]
 log = logging.getLogger("fastfeed")
@@ -81,8 +100,9 @@ class ShardCache:
     so a negative value means "in use") is never evicted. Each process evicts by its own ``next_use``.
     """
 
-    def __init__(self, directory, limit: int | None, *, storage_options: dict | None = None, retries: int = 3, timeout: float = 60.0,
-                 policy: str = "farthest", threads: int = 4, wait_s: float = 60.0) -> None:  # fmt: skip
+    def __init__(self, directory, limit: int | None, *, storage_options: dict | None = None, retries: int = 3,
+                 timeout: float = 60.0, policy: str = "farthest", threads: int = 4,
+                 wait_s: float = 60.0) -> None:  # fmt: skip
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
             raise ValueError(f"cache_bytes must be an int >= 0 (bytes the cache may hold) or None, got {limit!r}")
         if not isinstance(retries, int) or retries < 0:
@@ -95,12 +115,14 @@ class ShardCache:
             raise ValueError(f"threads must be an int >= 1, got {threads!r}")
         self.directory = Path(directory)
         self.limit = limit
+        self.storage_options = storage_options
         self.retries = retries
         self.timeout = timeout
         self.policy = policy
         self.threads = threads
         self.wait_s = wait_s
         self._fetcher = Fetcher(storage_options, timeout)
+        self._warned: set[int] = set()
         self._start_process()
 
     @classmethod
@@ -111,31 +133,44 @@ class ShardCache:
     # -- processes and pickling ------------------------------------------------------------------------------
 
     def _start_process(self) -> None:
-        """Fresh threads, locks and queue for this process (a forked child inherits its parent's, unusable)."""
+        """Fresh threads, locks, queue and hit counter for this process (a forked child inherits its parent's,
+        unusable; close() ends its own)."""
+        counter = self.__dict__.get("_counter")
+        if counter is not None and counter.pid != os.getpid():
+            counter.close()  # the parent's: its own copy of the mapping keeps the parent's lock
         self._pid = os.getpid()
+        self._entries = f"{self.directory}{os.sep}entries{os.sep}"
         self._cv = threading.Condition()
         self._queue: deque = deque()
         self._queued: set[int] = set()
+        self._jobs: set[_Job] = set()
         self._workers: list[threading.Thread] = []
         self._stop = threading.Event()
+        self._room = threading.Condition()
+        self._counter: _HitCounter | None = None
+        self._counter_lock = threading.Lock()
         self._ready = False
-        self._names = itertools.count()
 
     def _process(self) -> None:
         if self._pid != os.getpid():
             self._start_process()
         if not self._ready:
-            for sub in ("", "entries", "tmp", "locks"):
+            for sub in ("", "entries", "tmp", "locks", "hits"):
                 (self.directory / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
             self._sweep_tmp(None)
+            with self._state(block=False) as state:  # a busy lock is left to the next look: never wait here
+                if state is not None:
+                    self._sum_hits(state)
             self._ready = True
 
     def __getstate__(self) -> dict:
-        keep = ("directory", "limit", "retries", "timeout", "policy", "threads", "wait_s", "_fetcher")
+        keep = ("directory", "limit", "storage_options", "retries", "timeout", "policy", "threads", "wait_s",
+                "_fetcher")  # fmt: skip
         return {name: self.__dict__[name] for name in keep}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self._warned = set()
         self._start_process()
 
     def __enter__(self) -> ShardCache:
@@ -145,8 +180,14 @@ class ShardCache:
         self.close()
 
     def close(self) -> None:
-        """Stop the background downloads (one in progress is abandoned, its temporary file removed) and close
-        this process's connections. The cache stays usable: threads and connections are made again on need."""
+        """Stop the background downloads and close this process's connections, within about CLOSE_GRACE_S.
+
+        A download that does not stop in that time (blocked in a request to a silent store, which only its
+        ``timeout`` would end) is abandoned: its temporary file is removed, its reservation and its shard's lock
+        are released, and its descriptors are pointed at /dev/null, so the thread, once its request returns, writes
+        nothing into the cache and leaves. Its connections are left to it, and go with it (closing them under a
+        pending read would block that read for good): this process's next downloads use new ones. The cache stays
+        usable: threads and connections are made again on need."""
         if self._pid != os.getpid():
             self._start_process()
             return
@@ -155,15 +196,35 @@ class ShardCache:
             self._queue.clear()
             self._queued.clear()
             self._cv.notify_all()
+        with self._room:
+            self._room.notify_all()
+        deadline = time.monotonic() + CLOSE_GRACE_S
         for worker in self._workers:
-            worker.join()
-        self._fetcher.close()
+            worker.join(max(0.0, deadline - time.monotonic()))
+        stuck = [worker for worker in self._workers if worker.is_alive()]
+        if stuck:
+            with self._cv:
+                jobs = list(self._jobs)
+            for job in jobs:
+                self._abandon(job, deadline + CLOSE_GRACE_S)
+            self._fetcher = Fetcher(self.storage_options, self.timeout)
+            log.debug("fastfeed shard cache: close() abandoned %d download(s) still waiting on their store",
+                      len(stuck))  # fmt: skip
+        else:
+            self._fetcher.close()
+        with self._counter_lock:
+            if self._counter is not None:
+                self._counter.close()
+                self._counter = None
         self._start_process()
 
     # -- paths and locks -------------------------------------------------------------------------------------
 
     def _entry(self, k: int) -> Path:
-        return self.directory / "entries" / f"{k:06d}.tar"
+        return Path(self._entry_name(k))
+
+    def _entry_name(self, k: int) -> str:
+        return f"{self._entries}{k:06d}.tar"  # a str: a hit costs about as much as making a Path
 
     def _lock_path(self, k: int) -> Path:
         return self.directory / "locks" / f"{k:06d}"
@@ -171,16 +232,7 @@ class ShardCache:
     def _lock(self, k: int, block: bool = True) -> int | None:
         """An fd holding shard k's flock (an open file description of its own, so it excludes this process's
         other threads too); None when ``block`` is False and another holds it."""
-        fd = os.open(self._lock_path(k), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        return _flock(self._lock_path(k), block)
 
     @staticmethod
     def _unlock(fd: int) -> None:
@@ -210,25 +262,35 @@ class ShardCache:
                     self._unlock(fd)
 
     @contextlib.contextmanager
-    def _state(self, write: bool = True):
-        """The accounting, under the machine-wide state lock; written back on leaving when ``write``."""
-        fd = os.open(self.directory / _STATE_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    def _state(self, block: bool = True):
+        """The accounting, under the machine-wide state lock, written back on leaving if it changed. Yields
+        None, holding nothing, when ``block`` is False and another process holds the lock."""
+        fd = _flock(self.directory / _STATE_LOCK, block)
+        if fd is None:
+            yield None
+            return
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            state = self._read_state()
+            raw, state = self._read_state()
             yield state
-            if write:
-                write_atomic(self.directory / _STATE, json.dumps(state, separators=(",", ":")))
+            text = json.dumps(state, separators=(",", ":"))
+            if text != raw:
+                write_atomic(self.directory / _STATE, text)
         finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+            self._unlock(fd)
 
-    def _read_state(self) -> dict:
+    def _read_state(self) -> tuple[str | None, dict]:
+        """(the text of state.json, or None where there is none to keep; the accounting)."""
         try:
-            state = json.loads((self.directory / _STATE).read_bytes())
-            if isinstance(state, dict) and {"entries", "reserved", "tick", "stats"} <= state.keys():
-                return state
-        except (FileNotFoundError, ValueError):
+            raw = (self.directory / _STATE).read_text()
+            state = json.loads(raw)
+            if isinstance(state, dict) and {"entries", "reserved", "stats"} <= state.keys():
+                if "tick" in state:  # written by a version that kept the LRU clock here: [size, tick] per entry
+                    del state["tick"]
+                    state["entries"] = {key: value[0] for key, value in state["entries"].items()}
+                for name in (*COUNTERS, "peak_bytes"):
+                    state["stats"].setdefault(name, 0)
+                return raw, state
+        except (FileNotFoundError, ValueError, TypeError, IndexError, AttributeError):
             pass
         # No (readable) accounting: adopt the entries on disk, which are whole by construction.
         entries = {}
@@ -236,10 +298,9 @@ class ShardCache:
             head = name.split(".", 1)[0]
             if head.isdigit():
                 with contextlib.suppress(FileNotFoundError):
-                    entries[str(int(head))] = [os.stat(self.directory / "entries" / name).st_size, 0]
-        used = sum(size for size, _ in entries.values())
-        return {"entries": entries, "reserved": {}, "tick": 0,
-                "stats": {**dict.fromkeys(COUNTERS, 0), "peak_bytes": used}}  # fmt: skip
+                    entries[str(int(head))] = os.stat(self.directory / "entries" / name).st_size
+        return None, {"entries": entries, "reserved": {},
+                      "stats": {**dict.fromkeys(COUNTERS, 0), "peak_bytes": sum(entries.values())}}  # fmt: skip
 
     # -- public API ------------------------------------------------------------------------------------------
 
@@ -261,7 +322,7 @@ class ShardCache:
 
         Raises:
             ShardError: missing (at once), or every attempt failed or arrived short or corrupt, or the cache is too
-                small to hold it beside the shards in use.
+                small to hold it beside the shards in use, or the cache directory failed (removed, read-only).
         """
         path, fd = self._get(k, url, size, crc, next_use, protect, want_fd=False)
         return path
@@ -269,7 +330,8 @@ class ShardCache:
     def fd(self, k: int, url: str, size: int | None, crc: int | None, next_use: NextUse | None = None,
            protect: float = 0.0) -> int:
         """As ``local()``, but a read-only descriptor of the copy (the caller closes it): reads through it stay
-        whole even if the entry is evicted meanwhile, since it is opened before any process can evict it."""
+        whole even if the entry is evicted meanwhile (an eviction unlinks the entry, and the descriptor keeps its
+        bytes)."""
         path, fd = self._get(k, url, size, crc, next_use, protect, want_fd=True)
         return fd
 
@@ -284,7 +346,8 @@ class ShardCache:
 
         A later ``local()``/``open()`` of one in flight waits for it. A predownload never evicts an entry needed
         sooner than itself (nor one below ``protect``); without such room it is skipped, and the shard is
-        fetched when it is asked for. Failures are left for that later request to meet (and report).
+        fetched when it is asked for; one that another process is downloading is left to that process. A failure
+        is logged (a warning on the "fastfeed" logger, once per shard) and left for that later request to meet.
         """
         self._process()
         with self._cv:
@@ -294,7 +357,8 @@ class ShardCache:
                     self._queued.add(k)
                     self._queue.append(((k, url, size, crc), next_use, protect))
             while len(self._workers) < min(self.threads, len(self._queue) + len(self._workers)):
-                worker = threading.Thread(target=self._predownloader, name="fastfeed-shard-fetch", daemon=True)
+                worker = threading.Thread(target=self._predownloader, name="fastfeed-shard-fetch", daemon=True,
+                                          args=(self._cv, self._queue, self._queued, self._jobs, self._stop))
                 self._workers.append(worker)
                 worker.start()
             self._cv.notify_all()
@@ -305,87 +369,151 @@ class ShardCache:
         one another process downloaded included), ``evictions``; and ``used_bytes`` (entries plus downloads in
         flight now), ``peak_bytes`` (the most ``used_bytes`` has been), ``limit``."""
         self._process()
-        with self._state(write=False) as state:
-            used = _used(state)
-            return {**{c: state["stats"][c] for c in COUNTERS}, "used_bytes": used,
-                    "peak_bytes": state["stats"]["peak_bytes"], "limit": self.limit}  # fmt: skip
+        with self._state() as state:
+            live = self._sum_hits(state)
+            counted = {**state["stats"], "hits": state["stats"]["hits"] + live}
+            return {**{c: counted[c] for c in COUNTERS}, "used_bytes": _used(state),
+                    "peak_bytes": counted["peak_bytes"], "limit": self.limit}  # fmt: skip
 
     def reset_stats(self) -> None:
         """Zero the counters (for every process); ``peak_bytes`` restarts from the bytes held now."""
         self._process()
         with self._state() as state:
-            state["stats"] = {**dict.fromkeys(COUNTERS, 0), "peak_bytes": _used(state)}
+            live = self._sum_hits(state)
+            # Live processes' counters are theirs to write: the recorded hits start below zero by what they hold.
+            state["stats"] = {**dict.fromkeys(COUNTERS, 0), "hits": -live, "peak_bytes": _used(state)}
 
     # -- the work --------------------------------------------------------------------------------------------
 
-    def _get(self, k, url, size, crc, next_use, protect, want_fd, optional=False):
-        self._process()
-        next_use = next_use or _unknown
-        hit = self._hit(k, size, want_fd, count=not optional)
-        if hit is not None:
-            return hit
-        lock = self._lock(k)  # another process downloading k holds it: wait, then use its copy
+    def _get(self, k, url, size, crc, next_use, protect, want_fd, optional=False, job=None):
+        """(path, fd or None) of k's entry, downloaded if absent; None for an ``optional`` request (a
+        predownload) that finds no room, or another process downloading k. A failure of the cache's own
+        directory is a ShardError that names the local path, never one that reads as the store's."""
         try:
+            self._process()
             hit = self._hit(k, size, want_fd, count=not optional)
             if hit is not None:
                 return hit
-            self._sweep_tmp(k)  # whatever is there was left by a downloader that died holding this lock
+            if job is None:
+                job = _Job(k, self._stop, self._fetcher)
+            with job.guard:
+                if job.abandoned:
+                    raise Cancelled(url)
+                return self._miss(job, url, size, crc, next_use or _unknown, protect, want_fd, optional)
+        except (ShardError, Cancelled):
+            raise
+        except OSError as e:  # the store's failures are ShardErrors by now: this one is the local directory's
+            self._ready = False  # make the directories again at the next request, should they be gone
+            where = e.filename or self.directory
+            raise ShardError(url, f"the local cache failed at {where} ({remote.describe(e)}): was {self.directory}, "
+                                  "or part of it, removed or made read-only?") from e  # fmt: skip
+
+    def _miss(self, job, url, size, crc, next_use, protect, want_fd, optional):
+        job.lock_fd = self._lock(job.k, block=not optional)  # another process downloading k holds it
+        if job.lock_fd is None:
+            return None
+        try:
+            hit = self._hit(job.k, size, want_fd, count=not optional)  # it downloaded k while this one waited
+            if hit is not None:
+                return hit
+            self._sweep_tmp(job.k)  # whatever is there was left by a downloader that died holding this lock
             if size is None:
-                size = self._size(url)
-            if not self._reserve(k, url, size, next_use, protect, optional):
+                size = self._size(job, url)
+            if not self._reserve(job, url, size, next_use, protect, optional):
                 return None
-            return self._download(k, url, size, crc, want_fd)
+            return self._download(job, url, size, crc, want_fd)
         finally:
-            self._unlock(lock)
+            job.unlock()
 
     def _hit(self, k: int, size: int | None, want_fd: bool, count: bool):
-        """(path, fd or None) of k's entry if whole, counted as a hit; None if absent. Under the state lock, so
-        no eviction comes between the check and the open."""
-        path = self._entry(k)
-        with self._state() as state:
-            entry = state["entries"].get(str(k))
-            if entry is None:
-                return None
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            except FileNotFoundError:  # removed behind the cache's back
-                del state["entries"][str(k)]
-                return None
-            actual = os.fstat(fd).st_size
-            if actual != entry[0] or (size is not None and actual != size):
+        """(path, fd or None) of k's entry if whole, counted as a hit; None if absent (or not as the index says:
+        the miss that follows replaces it, under k's lock). Touches only the entry itself."""
+        path = self._entry_name(k)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            st = os.fstat(fd)
+            expected = size if size is not None else self._recorded_size(k)
+            if st.st_size != expected:
                 os.close(fd)
-                del state["entries"][str(k)]
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
                 return None
-            state["tick"] += 1
-            entry[1] = state["tick"]
+            with contextlib.suppress(OSError):  # a read-only copy still serves; only its LRU clock stands still
+                os.utime(fd, ns=(st.st_atime_ns, time.time_ns()))
             if count:
-                state["stats"]["hits"] += 1
+                self._count_hit()
+        except BaseException:
+            os.close(fd)
+            raise
         if not want_fd:
             os.close(fd)
             fd = None
-        return str(path), fd
+        return path, fd
 
-    def _size(self, url: str) -> int:
+    def _recorded_size(self, k: int) -> int | None:
+        """The size the accounting holds for entry k, read without its lock (state.json is replaced whole, never
+        written in place); None when it holds none."""
+        try:
+            entry = json.loads((self.directory / _STATE).read_bytes())["entries"].get(str(k))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+        return entry[0] if isinstance(entry, list) else entry
+
+    def _count_hit(self) -> None:
+        with self._counter_lock:
+            if self._counter is None:
+                self._counter = _HitCounter(self.directory)
+            self._counter.add()
+
+    def _sum_hits(self, state: dict) -> int:
+        """Fold the counters of processes that stopped counting into ``state``; returns the live ones' sum."""
+        with _locked(self.directory / _HITS_LOCK):
+            live = 0
+            for name in os.listdir(self.directory / "hits"):
+                path = self.directory / "hits" / name
+                try:
+                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    continue
+                try:
+                    count = _HIT_COUNT.unpack(os.pread(fd, _HIT_COUNT.size, 0).ljust(_HIT_COUNT.size, b"\0"))[0]
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        live += count
+                        continue
+                    state["stats"]["hits"] += count
+                    os.unlink(path)
+                finally:
+                    os.close(fd)
+            return live
+
+    def _size(self, job, url: str) -> int:
         """The shard's size, asked of its store with the retries and backoff of every request
         (``fastfeed.io.remote.retry``)."""
+
+        def ask() -> int:
+            with job.unguarded(url):
+                return job.fetcher.size(url)
+
         try:
-            return remote.retry(lambda: self._fetcher.size(url), self.retries, what=f"the size of shard {url}",
-                                timeout=self.timeout, wait=self._pause(url))  # fmt: skip
+            return remote.retry(ask, self.retries, what=f"the size of shard {url}", final=(Cancelled,),
+                                timeout=self.timeout, wait=self._pause(job.stop, url))  # fmt: skip
         except (FileNotFoundError, PermissionError, remote.RemoteError) as e:
             raise ShardError.gave_up(url, e, "asking its size") from e
 
-    def _pause(self, url: str) -> Callable[[float], None]:
+    @staticmethod
+    def _pause(stop: threading.Event, url: str) -> Callable[[float], None]:
         """The wait between two attempts: cut short, ending the download, once the cache closes."""
 
         def pause(seconds: float) -> None:
-            if self._stop.wait(seconds):
+            if stop.wait(seconds):
                 raise Cancelled(url)
 
         return pause
 
-    def _reserve(self, k, url, size, next_use, protect, optional) -> bool:
+    def _reserve(self, job, url, size, next_use, protect, optional) -> bool:
         """Room for ``size`` bytes, evicting as the policy says; waits up to ``wait_s`` for room that only
         entries in use and downloads in flight hold. False: ``optional`` and no room."""
         if self.limit is not None and size > self.limit:
@@ -393,16 +521,21 @@ class ShardCache:
                                   f"must be at least the largest shard (better: several)")  # fmt: skip
         started = time.monotonic()
         deadline, notice = started + self.wait_s, started + WAIT_NOTICE_S
+        delay = WAIT_MIN_S
         while True:
             with self._state() as state:
-                held = self._make_room(state, k, size, next_use, protect, optional)
+                self._replace(state, job.k)
+                held = self._make_room(state, job.k, size, next_use, protect, optional)
                 if held is None:
-                    state["reserved"][str(k)] = size
+                    state["reserved"][str(job.k)] = size
+                    job.reserved = True
                     stats = state["stats"]
                     stats["peak_bytes"] = max(stats["peak_bytes"], _used(state))
                     return True
-            if optional or self._stop.is_set():
+            if optional:
                 return False
+            if job.stop.is_set():
+                raise Cancelled(url)
             now = time.monotonic()
             if now > deadline:
                 raise ShardError(url, f"cache_bytes={self.limit} is too small: this shard ({size} bytes) found no "
@@ -415,12 +548,24 @@ class ShardCache:
                             "machine's readers. It waits up to %.0f s more, then fails; a larger cache_bytes "
                             "avoids the wait.", url, size, now - started, self.directory, self.limit, held,
                             deadline - now)  # fmt: skip
-            time.sleep(POLL_S)
+            room = self._room
+            with room:
+                freed_here = not job.stop.is_set() and room.wait(min(delay, max(deadline - now, 0.0)))
+            delay = WAIT_MIN_S if freed_here else min(2 * delay, WAIT_MAX_S)
+
+    def _replace(self, state, k: int) -> None:
+        """k is about to be downloaded by the caller, who holds its lock and found no usable entry: what the
+        accounting or the directory still hold of k (a dead downloader's reservation, an entry gone, or not as the
+        index says) goes."""
+        state["reserved"].pop(str(k), None)
+        state["entries"].pop(str(k), None)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._entry(k))
 
     def _make_room(self, state, k, size, next_use, protect, optional) -> int | None:
         """Evict until ``size`` more bytes fit; None once they do, else the bytes that may not be evicted (and
         nothing is evicted)."""
-        self._drop_stale_reservations(state, k)
+        self._drop_stale_reservations(state)
         if self.limit is None:
             return None
         need = _used(state) + size - self.limit
@@ -428,20 +573,14 @@ class ShardCache:
             return None
         new = next_use(k) if optional else -math.inf
         candidates, kept = [], sum(state["reserved"].values())
-        for key, (esize, tick) in state["entries"].items():
+        for key, esize in state["entries"].items():
             use = next_use(int(key))
             if use < protect or (self.policy == "farthest" and optional and use <= new):
                 kept += esize
                 continue
-            candidates.append(((-use, tick) if self.policy == "farthest" else (tick,), key, esize))
-        candidates.sort()
-        chosen, freed = [], 0
-        for _, key, esize in candidates:
-            if freed >= need:
-                break
-            chosen.append(key)
-            freed += esize
-        if freed < need:
+            candidates.append((-use if self.policy == "farthest" else 0.0, key, esize))
+        chosen = self._victims(candidates, need)
+        if chosen is None:
             return kept
         for key in chosen:
             with contextlib.suppress(FileNotFoundError):
@@ -450,71 +589,109 @@ class ShardCache:
             state["stats"]["evictions"] += 1
         return None
 
-    def _drop_stale_reservations(self, state, own: int) -> None:
-        """Reservations of downloaders that died: their shard lock is free. One for ``own`` is a dead process's
-        too: the caller holds that lock and reserves only once there is room."""
+    def _victims(self, candidates: list, need: int) -> list[str] | None:
+        """The keys to evict from ``(rank, key, size)``: the lowest ranks first, the least recently used first
+        among equal ranks; None if all of them together free less than ``need``. Only the entries of the rank
+        where the choice stops are asked their last use (one stat each), for LRU all of them."""
+        if sum(esize for _, _, esize in candidates) < need:
+            return None
+        candidates.sort(key=lambda c: c[0])
+        chosen, freed = [], 0
+        for _, group in itertools.groupby(candidates, key=lambda c: c[0]):
+            group = list(group)
+            if freed + sum(esize for _, _, esize in group) > need:
+                group.sort(key=lambda c: (self._last_use(c[1]), c[1]))
+            for _, key, esize in group:
+                if freed >= need:
+                    return chosen
+                chosen.append(key)
+                freed += esize
+        return chosen
+
+    def _last_use(self, key: str) -> int:
+        try:
+            return os.stat(self._entry(int(key))).st_mtime_ns
+        except FileNotFoundError:
+            return -1  # gone behind the cache's back: its accounting is the first to go
+
+    def _drop_stale_reservations(self, state) -> None:
+        """Reservations of downloaders that died (their shard lock is free), with their temporary files; an entry
+        such a downloader renamed into place without recording it is accounted instead."""
         for key in list(state["reserved"]):
-            if int(key) == own:
-                del state["reserved"][key]
-                continue
             fd = self._lock(int(key), block=False)
             if fd is not None:
                 try:
                     del state["reserved"][key]
                     self._sweep_tmp(int(key))
+                    if key not in state["entries"]:
+                        with contextlib.suppress(FileNotFoundError):
+                            state["entries"][key] = os.stat(self._entry(int(key))).st_size
                 finally:
                     self._unlock(fd)
 
-    def _download(self, k: int, url: str, size: int, crc: int | None, want_fd: bool):
+    def _download(self, job, url: str, size: int, crc: int | None, want_fd: bool):
         """Fetch k into a temporary file, check it, rename it into place; the reservation becomes the entry
         (or is released on failure). The caller holds k's lock and its reservation. A failed, short or corrupt
         download is tried again as every request is (``fastfeed.io.remote.retry``)."""
-        received, done = [0], None
+        k = job.k
 
         def attempt() -> Path:
-            tmp = self.directory / "tmp" / f"{k:06d}.{os.getpid()}.{next(self._names)}"
+            tmp = self.directory / "tmp" / f"{k:06d}.{os.getpid()}.{next(_NAMES)}"
             try:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             except OSError as e:  # the cache's own directory, not the store: say so, and do not retry
                 raise ShardError(url, f"cannot write a temporary copy in {tmp.parent} ({remote.describe(e)})") from e
+            job.tmp, job.tmp_fd = tmp, fd
             try:
                 try:
-                    nbytes, got = self._fetcher.copy(url, fd, size, self._stop)
+                    with job.unguarded(url):
+                        nbytes, got = job.fetcher.copy(url, fd, size, job.stop)
                 finally:
-                    received[0] += os.fstat(fd).st_size
+                    job.received += os.fstat(fd).st_size
+                    job.tmp_fd = None
                     os.close(fd)
                 if nbytes != size:
                     raise _Damaged(f"{nbytes} bytes arrived, the index says {size}")
                 if crc is not None and got != crc:
                     raise _Damaged(f"CRC-32 {got:08x}, the index says {int(crc):08x}")
             except BaseException:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
+                if not job.abandoned:  # an abandoned one's name may be another download's by now
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp)
+                job.tmp = None
                 raise
             return tmp
 
+        placed = None
         try:
             try:
                 tmp = remote.retry(attempt, self.retries, what=f"shard {url}", final=(Cancelled, ShardError),
-                                   timeout=self.timeout, wait=self._pause(url))  # fmt: skip
+                                   timeout=self.timeout, wait=self._pause(job.stop, url))  # fmt: skip
             except (FileNotFoundError, PermissionError, remote.RemoteError) as e:
                 raise ShardError.gave_up(url, e, "download") from e
-            done = self._place(k, url, tmp, want_fd)
+            placed = self._place(k, url, tmp, want_fd)
+        except BaseException:
+            if not job.abandoned:  # close() settled an abandoned one's accounts
+                with contextlib.suppress(OSError):  # the first failure is the one to report
+                    self._settle(job, size, placed=False)
+            raise
         finally:
-            with self._state() as state:
-                state["reserved"].pop(str(k), None)
-                stats = state["stats"]
-                stats["downloaded_bytes"] += received[0]
-                if done is not None:
-                    state["tick"] += 1
-                    state["entries"][str(k)] = [size, state["tick"]]
-                    stats["downloads"] += 1
-        return done
+            job.tmp = None
+        try:
+            self._settle(job, size, placed=True)
+        except BaseException:
+            if placed[1] is not None:
+                os.close(placed[1])
+            raise
+        return placed
 
     def _place(self, k: int, url: str, tmp: Path, want_fd: bool) -> tuple[str, int | None]:
         """Rename a checked download into ``entries/``: (its path, a descriptor of it when ``want_fd``). A local
         failure here is the cache directory's (removed or made read-only meanwhile), never the store's."""
         entry, reader = self._entry(k), None
+        with contextlib.suppress(OSError):  # its last use starts now, on the clock every hit sets
+            now = time.time_ns()
+            os.utime(tmp, ns=(now, now))
         try:
             if want_fd:
                 reader = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
@@ -528,25 +705,176 @@ class ShardCache:
                                   "was the cache directory removed or made read-only?") from e  # fmt: skip
         return str(entry), reader
 
-    def _predownloader(self) -> None:
+    def _settle(self, job, size: int, placed: bool) -> None:
+        """The download's reservation becomes its entry (``placed``) or is released; its bytes are counted."""
+        with self._state() as state:
+            state["reserved"].pop(str(job.k), None)
+            stats = state["stats"]
+            stats["downloaded_bytes"] += job.received
+            if placed:
+                state["entries"][str(job.k)] = size
+                stats["downloads"] += 1
+        job.reserved, job.received = False, 0
+        with self._room:
+            self._room.notify_all()  # this process's readers waiting for room look again now
+
+    def _abandon(self, job, deadline: float) -> None:
+        """Take back what a download that close() could not stop holds (see close()). Its thread is blocked in a
+        request, outside its guard; once that returns it finds the job abandoned and only closes its descriptors."""
+        if not job.guard.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            log.warning("fastfeed shard cache: close() could not abandon the download of shard %d in %s", job.k,
+                        self.directory)  # fmt: skip
+            return
+        try:
+            if job.done:
+                return
+            job.abandoned = True
+            if job.tmp is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(job.tmp)
+            if job.tmp_fd is not None:
+                job.received += os.fstat(job.tmp_fd).st_size
+            if job.reserved:  # before the shard's lock goes: the next holder's reservation of k must not be popped
+                with contextlib.suppress(OSError):
+                    self._settle(job, 0, placed=False)
+            job.revoke()
+        finally:
+            job.guard.release()
+
+    def _predownloader(self, cv, queue, queued, jobs, stop) -> None:
+        """One background downloader of this generation (until close()): its queue, jobs and stop event are the
+        ones it started with, so that one abandoned by close() never serves the next."""
         while True:
-            with self._cv:
-                while not self._queue and not self._stop.is_set():
-                    self._cv.wait()
-                if self._stop.is_set():
+            with cv:
+                while not queue and not stop.is_set():
+                    cv.wait()
+                if stop.is_set():
                     return
-                item, next_use, protect = self._queue.popleft()
+                item, next_use, protect = queue.popleft()
+                job = _Job(item[0], stop, self._fetcher)
+                jobs.add(job)
             try:
-                self._get(*item, next_use, protect, want_fd=False, optional=True)
-            except Exception:  # noqa: BLE001 - the shard's own request meets the failure again and reports it
+                self._get(*item, next_use, protect, want_fd=False, optional=True, job=job)
+            except Cancelled:
                 pass
+            except Exception as e:  # noqa: BLE001 - logged here; the shard's own request meets it again
+                if not job.abandoned and item[0] not in self._warned:
+                    self._warned.add(item[0])
+                    log.warning("fastfeed shard cache: downloading shard %s in the background failed (%s); a read "
+                                "of it will try again", item[1], getattr(e, "detail", None) or e)  # fmt: skip
             finally:
-                with self._cv:
-                    self._queued.discard(item[0])
+                with cv:
+                    queued.discard(item[0])
+                    jobs.discard(job)
+
+
+class _Job:
+    """One request's hold on the cache beyond its entry: its shard's lock, its reservation, its temporary file.
+
+    The thread doing the request holds ``guard`` except while it waits on its store (``unguarded``), so close()
+    can take the guard and revoke a job whose thread is stuck in a request: it points the job's descriptors at
+    /dev/null (the numbers stay the thread's, to close, so none is reused under it) and marks it abandoned.
+    """
+
+    def __init__(self, k: int, stop: threading.Event, fetcher: Fetcher) -> None:
+        self.k, self.stop, self.fetcher = k, stop, fetcher
+        self.guard = threading.Lock()
+        self.abandoned = self.done = self.reserved = False
+        self.lock_fd: int | None = None
+        self.tmp: Path | None = None
+        self.tmp_fd: int | None = None
+        self.received = 0
+
+    @contextlib.contextmanager
+    def unguarded(self, url: str):
+        self.guard.release()
+        try:
+            yield
+        finally:
+            self.guard.acquire()
+            if self.abandoned:
+                raise Cancelled(url)
+
+    def unlock(self) -> None:
+        fd, self.lock_fd = self.lock_fd, None
+        self.done = True
+        if fd is not None:
+            if not self.abandoned:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def revoke(self) -> None:
+        """(Under ``guard``.) Release the shard's lock and detach the descriptors from the cache's files."""
+        if self.lock_fd is not None:
+            fcntl.flock(self.lock_fd, fcntl.LOCK_UN)
+        null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            for fd in (self.lock_fd, self.tmp_fd):
+                if fd is not None:
+                    os.dup2(null, fd, inheritable=False)
+        finally:
+            os.close(null)
+
+
+class _HitCounter:
+    """This process's hits, machine-wide readable without a lock: a file in ``hits/`` mapped into its memory, so
+    a hit adds one with no system call. The file stays flocked while this process counts into it; a file whose
+    lock is free (closed, or its process gone) is folded into ``state.json`` by whoever next reads the stats. The
+    one descriptor kept is the mapping's own, which holds the lock."""
+
+    def __init__(self, directory: Path) -> None:
+        self.pid = os.getpid()
+        self.count = 0
+        path = directory / "hits" / f"{self.pid}.{os.urandom(4).hex()}"
+        with _locked(directory / _HITS_LOCK):  # no reader may fold the file between its creation and its lock
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                os.ftruncate(fd, _HIT_COUNT.size)
+                self.map = mmap.mmap(fd, _HIT_COUNT.size)  # holds a duplicate of fd, and so the lock
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                raise
+            os.close(fd)
+
+    def add(self) -> None:
+        self.count += 1
+        _HIT_COUNT.pack_into(self.map, 0, self.count)
+
+    def close(self) -> None:
+        """Stop counting into the file: the count stays there, to be folded, and the lock goes with the mapping's
+        descriptor once no forked child holds a copy of it either."""
+        self.map.close()
 
 
 class _Damaged(ValueError):
     """A download arrived short or with the wrong checksum."""
+
+
+def _flock(path: Path, block: bool) -> int | None:
+    """An fd of ``path`` (made if absent) holding its exclusive flock; None when ``block`` is False and another
+    holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    fd = _flock(path, True)
+    try:
+        yield
+    finally:
+        ShardCache._unlock(fd)
 
 
 def _unknown(k: int) -> float:
@@ -554,4 +882,4 @@ def _unknown(k: int) -> float:
 
 
 def _used(state: dict) -> int:
-    return sum(size for size, _ in state["entries"].values()) + sum(state["reserved"].values())
+    return sum(state["entries"].values()) + sum(state["reserved"].values())
