@@ -441,3 +441,27 @@ def test_concurrent_iterators_of_one_dataset_do_not_share_positions(shard_dir):
     for t in threads:
         t.join()
     assert results[0] == results[1] and sorted(results[0]) == list(range(N))
+
+
+def test_what_the_loader_tells_the_dataset_reaches_a_persistent_worker_whole(shard_dir):
+    """Everything fastfeed.DataLoader's set-up changes on the dataset lives in what ``_ff_worker_sync`` carries,
+    so a field added there cannot miss persistent workers: a copy that applies the sync has the same set-up, and
+    the set-up changes no attribute outside it."""
+    import copy
+
+    ds = shards(shard_dir, batch_size=None)
+    ds.load_state_dict(json.loads(json.dumps(_mid_epoch_state(shard_dir))))
+    before = {k: copy.copy(v) for k, v in vars(ds).items()}
+    ds._ff_loader_setup(batch_size=5, drop_last=True, num_workers=2, prefetch_factor=3, epoch_starts=True)
+    changed = {k for k, v in vars(ds).items() if k not in before or before[k] is not v and before[k] != v}
+    assert changed <= {"_run", "_pending"}, changed
+    worker = copy.deepcopy(shards(shard_dir, batch_size=None))
+    worker._ff_worker_apply(ds._ff_worker_sync())
+    assert worker._run == ds._run and worker.epoch == ds.epoch and ds._run.start is not None
+
+
+def _mid_epoch_state(shard_dir) -> dict:
+    dl = DataLoader(shards(shard_dir, batch_size=None), batch_size=5)
+    it = iter(dl)
+    next(it)
+    return dl.state_dict()["shards"]

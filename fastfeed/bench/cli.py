@@ -5,6 +5,7 @@ fastfeed bench [WORKLOAD ... | module:attr] [--loaders torch,fastfeed,fastfeed-t
 fastfeed bench --from REPORT.json [--markdown] [--plot] [WORKLOAD ...]    tables or plots of a saved report
 fastfeed bench --compare OLD.json NEW.json [--threshold 0.1]             exit 1 when a figure regressed
 fastfeed bench gpu [--out DIR]                                           the GPU checks (needs CUDA; exit 2 without)
+fastfeed bench shards --scale [--out DIR]                                an epoch's order at 100M and 1B samples
 
 Workloads: transport (bytes to the consumer), overhead (a batch's own cost), jpeg (decode; fastfeed's
 processes, threads and DALI), text (tokenising in Python), startup (time to the first batch), files (storage
@@ -39,6 +40,8 @@ def add_parser(sub) -> None:
     p.add_argument("--num-workers", help="comma-separated worker counts, or auto (your dataset only)")
     p.add_argument("--rounds", type=int, help="rounds of interleaved trials")
     p.add_argument("--quick", action="store_true", help="few rounds and batches: every standard workload in minutes")
+    p.add_argument("--scale", action="store_true", help="shards only: the memory and time of an epoch's order at "
+                   "100M and 1B samples (synthetic indexes), instead of the loaders")  # fmt: skip
     p.add_argument("--step", type=float, default=0.0, help="seconds of synthetic training step after each batch; "
                    "the stall fraction is then reported")  # fmt: skip
     p.add_argument("--batch-size", type=int, default=32, help="your dataset's batch size, when not a DataLoader's")
@@ -79,6 +82,8 @@ def main(args) -> int:
     if args.rounds is not None and args.rounds < 1:
         return _fail(f"--rounds must be 1 or more, got {args.rounds}")
     targets = args.targets or list(standard.STANDARD)
+    if args.scale and targets != ["shards"]:
+        return _fail("--scale measures the shards workload's order alone: fastfeed bench shards --scale")
     results = {}
     runner.use_session(runner.Session(progress=True, variants={VARIANT_TAGS[n] for n in loaders if n in VARIANT_TAGS},
                                       step_s=args.step))  # fmt: skip
@@ -127,6 +132,10 @@ def _counts(text: str | None) -> list | None:
 
 
 def _run(target: str, args, loaders: list[str], counts) -> dict:
+    if target == "shards" and args.scale:
+        from .suites import shards_scale
+
+        return {"kind": "shards_scale", "result": shards_scale.main(["--quick"] if args.quick else [])}
     if target in standard.STANDARD:
         if args.loaders and "dali" in loaders and target != "jpeg":
             print(f"# {target}: no DALI side (DALI decodes images: fastfeed bench jpeg has one)")

@@ -21,7 +21,7 @@ from .summary import fmt
 
 SCHEMA = "fastfeed.bench/1"
 COSTS = ("main_cpu_s", "tree_cpu_s", "peak_footprint", "ttfb", "ttfb_hot")  # lower is better
-GAINS = ("throughput",)  # higher is better
+GAINS = ("throughput", "order_time", "order_memory")  # higher is better (order_*: whole order over window)
 
 
 def assemble(workloads: dict, command: str) -> dict:
@@ -116,6 +116,13 @@ def figure_rows(report: dict):
                                    unit="files/s" if key != "tokens" else "windows/s")
         elif entry["kind"] == "shards":
             yield from _shards_rows(name, res)
+        elif entry["kind"] == "shards_scale":
+            for row in res["rows"]:
+                for fig, key, unit in (("order_time", "first_s", "s"), ("order_memory", "peak_bytes", "bytes")):
+                    if "whole_over_window" in row:  # how many times less the window order costs than the whole
+                        yield dict(workload=name, key=f"order {row['samples']:,} samples", figure=fig,
+                                   median=row["whole_over_window"][key], min=None, max=None,
+                                   numerator=row["whole"][key], denominator=row["window"][key], unit=unit)
         elif entry["kind"] == "ray":
             yield from _ray_rows(name, res)
         elif entry["kind"] == "tune":
@@ -169,6 +176,10 @@ def _table(name: str, entry: dict) -> str:
         return _files_table(entry["result"])
     if entry["kind"] == "shards":
         return shards_markdown(entry["result"])
+    if entry["kind"] == "shards_scale":
+        from .suites.shards_scale import markdown as scale_markdown
+
+        return scale_markdown(entry["result"])
     if entry["kind"] == "ray":
         return ray_markdown(entry["result"])
     if entry["kind"] == "tune":

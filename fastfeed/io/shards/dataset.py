@@ -19,8 +19,11 @@ import os
 import stat
 import sys
 import tempfile
+import threading
 import warnings
 from collections import OrderedDict
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -31,9 +34,37 @@ from .errors import ShardError
 from .tar import read_sample
 
 STATE_FORMAT = "fastfeed-shards"
-STATE_VERSION = 1
+# 2: the position names the order it was saved in ("order"); version 1's positions are all in order.LEGACY.
+STATE_VERSION = 2
+STATE_VERSIONS = (1, 2)
 DEFAULT_WINDOW = 8  # shards whose samples are shuffled together; also what must be local at once
 INDEX_NAME = "fastfeed-index.json"
+_EPOCHS_LOCK = threading.Lock()  # Shards._epochs, which thread workers reach together
+
+
+class Start(NamedTuple):
+    """Where an iteration of an epoch starts: a loaded position."""
+
+    batch: int  # the rank's first batch not received (or, for a worker's own position, that worker's next)
+    within: int  # samples of that batch yielded already
+    worker: list | None  # [w, nw]: a worker's own position (torch's loader, torchdata's), which only it continues
+    global_batch: int  # batch_size x world when it was saved: the same global batches need the same one
+    world: int
+    ahead: frozenset  # batches past ``batch`` received already (in_order=False): made no more
+    order: int  # the order (order.ORDER, or order.LEGACY for positions saved before it) it was saved in
+
+
+@dataclass
+class _Run:
+    """What fastfeed.DataLoader told the dataset in the main process, and where this epoch's iteration starts.
+    A persistent worker's copy takes all of it at each epoch (``_ff_worker_sync``): one object, so that a field
+    added here reaches the workers without a list to keep."""
+
+    batch: int | None = None  # the loader's batch size
+    drop_last: bool = False
+    prefetch: int | None = None  # the loader's prefetch_factor, where fastfeed.DataLoader told it
+    ranks: tuple | None = None  # (rank, world) as the main process saw them, for workers without the process group
+    start: Start | None = None
 
 
 class Shards(IterableDataset):
@@ -108,7 +139,6 @@ class Shards(IterableDataset):
         self.storage_options = dict(storage_options or {})
         self.epoch = 0
         self._rank, self._world = rank, world_size
-        self._frozen = None  # (rank, world) as the main process saw them, for workers without the process group
         topology.ranks(rank, world_size, None)  # bad values fail here, not in a worker
         if isinstance(index, ShardIndex):
             self.index = index
@@ -133,14 +163,10 @@ class Shards(IterableDataset):
                         os.rmdir(made)
                 raise
         # Loader set-up and resume (see _ff_loader_setup, load_state_dict).
-        self._loader_batch = None  # the batch size fastfeed.DataLoader told
-        self._loader_drop_last = False
-        self._loader_prefetch = None  # the loader's prefetch_factor, where fastfeed.DataLoader told it
+        self._run = _Run()  # what fastfeed.DataLoader told, and where this epoch's iteration starts
         self._pending = None  # a loaded position, for the next iteration of its epoch
-        # The position this epoch's iteration starts from: (batch, within, worker or None, global batch, world).
-        self._start = None
         self._progress = {}  # worker id -> (batch under way, samples of it yielded), in this process
-        self._epochs = OrderedDict()  # epoch -> order.Epoch, the last two computed in this process
+        self._epochs = OrderedDict()  # (epoch, order version) -> order.Epoch, the last two made in this process
 
     # -- what a user calls ---------------------------------------------------------------------------------
 
@@ -166,7 +192,8 @@ class Shards(IterableDataset):
         ``StatefulDataLoader`` asks there) it is that worker's, and continues with the same ``num_workers``.
         """
         w, nw = topology.worker()
-        batch, within = self._progress.get(w) or (self._start[:2] if self._start is not None else (w, 0))
+        start = self._run.start
+        batch, within = self._progress.get(w) or ((start.batch, start.within) if start is not None else (w, 0))
         if within == self._batch_size():
             batch, within = batch + nw, 0
         return self._state(batch, within, [w, nw] if nw > 1 else None)
@@ -177,11 +204,14 @@ class Shards(IterableDataset):
         ``batch_size x world`` (checked when the iteration starts: then the batch size is known)."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise ValueError(f"fastfeed.io.Shards.load_state_dict: not a Shards state ({type(state).__name__})")
-        if state.get("version") != STATE_VERSION:
+        if state.get("version") not in STATE_VERSIONS:
             raise ValueError(f"fastfeed.io.Shards.load_state_dict: unknown state version {state.get('version')!r}; "
-                             f"this fastfeed reads version {STATE_VERSION}")  # fmt: skip
+                             f"this fastfeed reads versions {STATE_VERSIONS}")  # fmt: skip
+        if state["version"] > 1 and state.get("order") not in order.ORDERS:
+            raise ValueError(f"fastfeed.io.Shards.load_state_dict: the position is in shard order "
+                             f"{state.get('order')!r}, and this fastfeed makes orders {order.ORDERS}")  # fmt: skip
         if state.get("rank") is not None:
-            rank, world = topology.ranks(self._rank, self._world, self._frozen)
+            rank, world = self._ranks()
             if (state["rank"], state["world"]) != (rank, world):
                 raise ValueError(
                     f"fastfeed.io.Shards.load_state_dict: this position was saved with in_order=False by rank "
@@ -209,10 +239,9 @@ class Shards(IterableDataset):
         each ``iter()`` (``epoch_starts``), before workers get the dataset."""
         if batch_size is not None and self.batch_size is not None and batch_size != self.batch_size:
             raise ValueError(_mismatch(self.batch_size, batch_size))
-        self._loader_batch = batch_size
-        self._loader_drop_last = bool(drop_last)
-        self._loader_prefetch = prefetch_factor
-        self._frozen = topology.ranks(self._rank, self._world, self._frozen)
+        run = self._run
+        run.batch, run.drop_last, run.prefetch = batch_size, bool(drop_last), prefetch_factor
+        run.ranks = self._ranks()
         if epoch_starts:
             self._begin()
 
@@ -226,7 +255,8 @@ class Shards(IterableDataset):
         """
         if yielded is None:
             return self._state(0, 0, None)
-        batch, within, ahead = (self._start[0], self._start[1], self._start[5]) if self._start else (0, 0, ())
+        start = self._run.start
+        batch, within, ahead = (start.batch, start.within, start.ahead) if start else (0, 0, frozenset())
         if delivered is None:
             frontier, past = advance(batch, ahead, yielded)
             return self._state(frontier, 0 if yielded else within, None, past)
@@ -237,19 +267,15 @@ class Shards(IterableDataset):
             if k // n < delivered[k % n]:
                 got.add(b)
         frontier, past = advance(batch, got, 0)
-        rank = topology.ranks(self._rank, self._world, self._frozen)[0]
+        rank = self._ranks()[0]
         return self._state(frontier, within if frontier == batch and not past else 0, None, past, rank)
 
     def _ff_worker_sync(self) -> dict:
         """What a persistent worker's copy must take from this one at a new epoch."""
-        return {"epoch": self.epoch, "_start": self._start, "_loader_batch": self._loader_batch,
-                "_loader_drop_last": self._loader_drop_last, "_loader_prefetch": self._loader_prefetch,
-                "_frozen": self._frozen}  # fmt: skip
+        return {"epoch": self.epoch, "run": replace(self._run)}
 
     def _ff_worker_apply(self, sync: dict) -> None:
-        for name, value in sync.items():
-            setattr(self, name, value)
-        self._pending = None
+        self.epoch, self._run, self._pending = sync["epoch"], sync["run"], None
 
     # -- iteration -----------------------------------------------------------------------------------------
 
@@ -257,33 +283,35 @@ class Shards(IterableDataset):
         """Take a loaded position for this epoch's iteration. The position is read when an iteration starts and
         cleared when one ends, so the next epoch starts afresh (a persistent worker's copy too)."""
         pending, self._pending = self._pending, None
-        self._start = None
+        self._run.start = None
         if pending is not None and pending["epoch"] == self.epoch:
             self._check_global_batch(pending)
             ahead = frozenset(pending.get("ahead") or ())
             if pending["batch"] or pending["within"] or ahead:
-                self._start = (pending["batch"], pending["within"], pending.get("worker"), pending["global_batch"],
-                               pending["world"], ahead)
+                self._run.start = Start(pending["batch"], pending["within"], pending.get("worker"),
+                                        pending["global_batch"], pending["world"], ahead,
+                                        pending.get("order", order.LEGACY))  # fmt: skip
 
     def __iter__(self):
         if self._pending is not None:  # loaded, and not set up by fastfeed.DataLoader: the position starts here
             self._begin()
-        return self._samples(self._start)
+        return self._samples(self._run.start)
 
-    def _samples(self, start):
+    def _samples(self, start: Start | None):
         w, nw = topology.worker()
         caller = _loader_batch_size(sys._getframe(1))
         batch_size = self._batch_size(caller)
         split = self._split(batch_size)
-        if start is not None and self._loader_batch is None and self.batch_size is None:
-            self._check_global_batch({"global_batch": start[3], "world": start[4]}, batch_size)
-        epoch = self._order(self.epoch)
+        if start is not None and self._run.batch is None and self.batch_size is None:
+            self._check_global_batch({"global_batch": start.global_batch, "world": start.world}, batch_size)
+        epoch = self._order(self.epoch, start.order if start is not None else order.ORDER)
         n = self.index.n_samples
         first = _first_batch(start, w, nw)
-        within = start[1] if start is not None and first == start[0] else 0
+        within = start.within if start is not None and first == start.batch else 0
         batches = range(first, split.batches, nw)
-        if start is not None and start[5]:  # batches received out of order are made no more; the rest dealt out
-            batches = itertools.islice((b for b in range(start[0], split.batches) if b not in start[5]), w, None, nw)
+        if start is not None and start.ahead:  # batches received out of order are made no more; the rest dealt out
+            batches = itertools.islice((b for b in range(start.batch, split.batches) if b not in start.ahead), w,
+                                       None, nw)  # fmt: skip
         reader = _Reader(self, epoch, split)
         progress = self._progress
         try:
@@ -292,7 +320,7 @@ class Shards(IterableDataset):
                 for t in range(within, len(positions)):
                     p = positions[t]
                     reader.at(p)  # per sample: a batch can cross into the next window, and protection follows p
-                    sample = reader.sample(int(epoch.samples[p % n]))
+                    sample = reader.sample(epoch.sample(p % n))
                     progress[w] = (batch, t + 1)
                     yield sample
                 within = 0
@@ -300,8 +328,8 @@ class Shards(IterableDataset):
             reader.close()
             if self.cache is not None and get_worker_info() is None:
                 self.cache.close()  # the main process's downloads and connections: remade if another epoch comes
-        if self._start is start:  # the epoch is done: its next iteration starts it afresh
-            self._start = None
+        if self._run.start is start:  # the epoch is done: its next iteration starts it afresh
+            self._run.start = None
 
     # -- helpers -------------------------------------------------------------------------------------------
 
@@ -310,8 +338,8 @@ class Shards(IterableDataset):
             if caller is not None and caller != self.batch_size:
                 raise ValueError(_mismatch(self.batch_size, caller))
             return self.batch_size
-        if self._loader_batch is not None:
-            return self._loader_batch
+        if self._run.batch is not None:
+            return self._run.batch
         if caller is not None:
             return caller
         if required:
@@ -320,21 +348,25 @@ class Shards(IterableDataset):
         return 1
 
     def _split(self, batch_size: int) -> order.Split:
-        rank, world = topology.ranks(self._rank, self._world, self._frozen)
-        drop_last = self.drop_last or self._loader_drop_last
+        rank, world = self._ranks()
+        drop_last = self.drop_last or self._run.drop_last
         pad = world > 1 if self.even_batches is None else self.even_batches
         return order.Split.of(self.index.n_samples, batch_size, rank, world, drop_last, pad)
 
-    def _order(self, epoch: int) -> order.Epoch:
-        found = self._epochs.get(epoch)
-        if found is None:
-            found = self._epochs[epoch] = order.epoch_order(
-                self.index.counts, self.index.starts, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
-                window=self.shuffle_window,
-            )  # fmt: skip
-            while len(self._epochs) > 2:
-                self._epochs.popitem(last=False)
-        return found
+    def _ranks(self) -> tuple[int, int]:
+        return topology.ranks(self._rank, self._world, self._run.ranks)
+
+    def _order(self, epoch: int, version: int = order.ORDER) -> order.Epoch:
+        with _EPOCHS_LOCK:  # thread workers share this dataset: one Epoch per key, and its windows with it
+            found = self._epochs.get((epoch, version))
+            if found is None:
+                found = self._epochs[epoch, version] = order.epoch_order(
+                    self.index.counts, self.index.starts, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+                    window=self.shuffle_window, version=version,
+                )  # fmt: skip
+                while len(self._epochs) > 2:
+                    self._epochs.popitem(last=False)
+            return found
 
     def _identity(self) -> dict:
         return {"fingerprint": self.index.fingerprint, "seed": self.seed, "shuffle": self.shuffle,
@@ -343,19 +375,20 @@ class Shards(IterableDataset):
     def _state(self, batch: int, within: int, worker, ahead=(), rank: int | None = None) -> dict:
         """``ahead``: batches past ``batch`` received already (in_order=False); ``rank``: the rank whose position it
         is alone (in_order=False), else None."""
-        world = topology.ranks(self._rank, self._world, self._frozen)[1]
+        world = self._ranks()[1]
         batch_size = self._batch_size()
+        start = self._run.start  # a resumed epoch's positions stay in the order it was saved in
         return {"format": STATE_FORMAT, "version": STATE_VERSION, **self._identity(), "epoch": self.epoch,
                 "batch": int(batch), "within": int(within), "worker": worker,
                 "global_batch": batch_size * world, "world": world, "ahead": sorted(int(b) for b in ahead),
-                "rank": rank}  # fmt: skip
+                "rank": rank, "order": order.ORDER if start is None else start.order}  # fmt: skip
 
     def _check_global_batch(self, state: dict, batch_size: int | None = None) -> None:
         if batch_size is None:
-            if self._loader_batch is None and self.batch_size is None:
+            if self._run.batch is None and self.batch_size is None:
                 return  # checked when the first batch's size is known
             batch_size = self._batch_size()
-        rank, world = topology.ranks(self._rank, self._world, self._frozen)
+        rank, world = self._ranks()
         ours = batch_size * world
         saved = state["global_batch"]
         if ours != saved:
@@ -390,7 +423,7 @@ class _Reader:
         # many batches behind this one, still reading the window this one just left. A lone reader has nobody
         # behind it. More protection would only shrink the room eviction chooses from.
         workers = topology.worker()[1]
-        self.margin = split.global_batch * workers * (ds._loader_prefetch or 2) if workers > 1 else 0
+        self.margin = split.global_batch * workers * (ds._run.prefetch or 2) if workers > 1 else 0
 
     def at(self, position: int) -> None:
         """The iteration reaches ``position``: on entering a window, start downloading what the next one needs."""
@@ -450,7 +483,7 @@ class _Reader:
         if self.ds.cache is not None:  # opened by the cache: reads from it stay whole if another process evicts it
             fd = self.ds.cache.fd(*self._item(k), self.next_use)
         else:
-            path = url[len("file://"):] if url.startswith("file://") else url
+            path = remote.local_path(url)
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             except OSError as e:
@@ -489,7 +522,7 @@ def _first_batch(start, w: int, nw: int) -> int:
     """The first batch worker w of nw makes: w, or the resumed position's batch plus w."""
     if start is None:
         return w
-    batch, saved = start[0], start[2]
+    batch, saved = start.batch, start.worker
     if saved is not None:  # a worker's own position (torch's loader, torchdata): only that worker continues it
         if list(saved) != [w, nw]:
             raise ValueError(
