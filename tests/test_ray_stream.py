@@ -1,0 +1,355 @@
+"""Batches streamed over TCP straight into ring slots (fastfeed._workers.ray_stream), without Ray.
+
+The receiver writes through a real ring's ``SlotWriter``, built as ``_iterator.py`` builds the main process's, and
+every frame taken is handed to ``Ring.receive`` as a worker's report would be; the writer records its claims and
+abandons, so that each test can say which slot a frame landed in and whether it was given back.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from fastfeed._ring import segments
+from fastfeed._ring.ring import Ring
+from fastfeed._workers import ray_stream as rs
+from fastfeed._workers.loop import SlotWriter
+
+pytestmark = [pytest.mark.fastfeed_only, pytest.mark.hang_limit(30)]
+
+HOST = "127.0.0.1"
+MB = 1 << 20
+
+
+class RecordingWriter(SlotWriter):
+    """The main process's writer over ``ring``, remembering what it claimed and what it was given back."""
+
+    def __init__(self, ring: Ring):
+        super().__init__(ring.control, lambda claimed: ring.segment(claimed.slot_id), ring.numa_node)
+        self.claims: list[tuple] = []
+        self.abandoned: list[tuple] = []
+
+    def claim(self, nbytes):
+        got = super().claim(nbytes)
+        self.claims.append(got[:2])
+        return got
+
+    def abandon(self, slot_id, made):
+        self.abandoned.append((slot_id, made))
+        super().abandon(slot_id, made)
+
+
+@pytest.fixture
+def ring():
+    r = Ring(quiet=16)  # room for every frame of a test at once: the ring has no reason to warn
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def writer(ring):
+    return RecordingWriter(ring)
+
+
+def _payload(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def _until(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)
+
+
+def _check_in_ring(ring: Ring, got, expected: np.ndarray) -> None:
+    """Adopt a taken frame as a worker's report, compare its bytes, and let its slot go free."""
+    slot_id, made = got
+    lent = ring.lend(ring.receive(slot_id, made))
+    assert np.array_equal(lent[: expected.nbytes].numpy(), expected)
+    del lent  # the lease's last view: the slot goes back on the free list
+
+
+def _fds() -> dict:
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            pass  # the descriptor listdir itself used
+    return out
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the other end closed: EOF, or a reset when it closed with our bytes still unread."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _raw_hello(receiver, token=None, worker=0, key=0, magic=rs.HELLO_MAGIC) -> bytes:
+    return rs.HELLO.pack(magic, receiver.token if token is None else token, worker, key)
+
+
+def test_frames_from_several_connections_land_in_slots_byte_for_byte(ring, writer):
+    """Several actors stream multi-MB frames at once; each taken frame's slot holds exactly the bytes sent, first in
+    segments the writer made, then in ring slots it claimed again; counters add up per worker."""
+    workers = (0, 1, 2)
+    sizes = {w: 3 * MB + 1001 * w + 7 for w in workers}  # odd sizes: no page-aligned end hides a short read
+    later = {(w, i): 2 * MB + 13 * w + i for w in workers for i in (1, 2)}
+    with rs.Receiver(writer, HOST) as receiver:
+        senders = {w: rs.Sender.connect(receiver.address, receiver.token, w, 100 + w, timeout_s=5) for w in workers}
+        data = {(w, 0): _payload(sizes[w], w) for w in workers}
+        data.update({wi: _payload(n, 10 * wi[0] + wi[1]) for wi, n in later.items()})
+
+        def send(w, indices):
+            for i in indices:
+                senders[w].send(i, data[w, i])
+
+        def send_round(indices):  # every actor at once, each on its own connection
+            threads = [threading.Thread(target=send, args=(w, indices)) for w in workers]
+            for t in threads:
+                t.start()
+            return threads
+
+        for t in send_round([0]):
+            t.join()
+        for w in workers:
+            _check_in_ring(ring, receiver.take(w, 100 + w, 0, timeout=10), data[w, 0])
+        first = list(writer.claims)
+        assert all(made is not None for _, made in first)  # no slot yet: segments of the writer's making
+        threads = send_round([1, 2])
+        for w in workers:
+            for i in (1, 2):
+                _check_in_ring(ring, receiver.take(w, 100 + w, i, timeout=10), data[w, i])
+        for t in threads:
+            t.join()
+        reused = [c for c in writer.claims[len(first):] if c[1] is None]
+        assert reused and all(slot_id is not None for slot_id, _ in reused)  # written straight into ring slots
+        assert writer.abandoned == []
+        stats = receiver.stats()
+        assert stats["batches"] == {w: 3 for w in workers}
+        assert stats["bytes"] == {w: sizes[w] + later[w, 1] + later[w, 2] for w in workers}
+        assert stats["refused"] == 0
+        for sender in senders.values():
+            sender.close()
+
+
+def test_a_wrong_token_or_magic_is_refused_and_never_yields_a_frame(writer, caplog):
+    """A hello with the wrong token (or protocol magic) gets no ack and is closed, even with a valid frame behind it;
+    nothing is claimed, the connection is counted, and the token never reaches the log."""
+    with rs.Receiver(writer, HOST) as receiver:
+        wrong = bytes(b ^ 0xFF for b in receiver.token)
+        with pytest.raises(OSError):
+            rs.Sender.connect(receiver.address, wrong, 1, 7, timeout_s=5)
+        for hello in (_raw_hello(receiver, token=wrong, worker=1, key=7),
+                      _raw_hello(receiver, worker=1, key=7, magic=b"NOTFFSTR")):
+            with socket.create_connection(receiver.address, timeout=5) as raw:
+                frame = _payload(4096, 0)
+                raw.sendall(hello + rs.FRAME.pack(rs.FRAME_MAGIC, 0, frame.nbytes) + frame.tobytes())
+                assert _closed_by_peer(raw)  # closed without the ack
+        _until(lambda: receiver.refused == 3)
+        with pytest.raises(rs.StreamBroken, match="worker 1 .*never connected"):
+            receiver.take(1, 7, 0, timeout=0.2)
+        assert writer.claims == []
+        text = caplog.text
+        assert "wrong token" in text and "wrong protocol" in text
+        assert receiver.token.hex() not in text and repr(receiver.token) not in text
+
+
+def test_a_silent_connection_is_dropped_after_the_handshake_timeout_without_holding_up_others(writer):
+    """A peer that says nothing (or half a hello) is closed once handshake_timeout_s has passed, and counted; an
+    actor that connects meanwhile is acknowledged at once."""
+    timeout = 1.0
+    with rs.Receiver(writer, HOST, handshake_timeout_s=timeout) as receiver:
+        silent = socket.create_connection(receiver.address, timeout=10)
+        partial = socket.create_connection(receiver.address, timeout=10)
+        partial.sendall(_raw_hello(receiver)[:20])
+        t0 = time.monotonic()
+        with rs.Sender.connect(receiver.address, receiver.token, 2, 0, timeout_s=5) as sender:
+            assert time.monotonic() - t0 < timeout  # not queued behind the silent peers' handshakes
+            sender.send(0, _payload(100, 1))
+            assert receiver.take(2, 0, 0, timeout=5) is not None
+        for sock in (silent, partial):
+            assert _closed_by_peer(sock)  # the receiver closed it
+            sock.close()
+        assert time.monotonic() - t0 >= timeout * 0.9
+        _until(lambda: receiver.refused == 2)
+
+
+@pytest.mark.parametrize("into", ["ring slot", "made segment"])
+def test_a_connection_cut_mid_frame_yields_no_frame_and_gives_its_memory_back(ring, writer, into):
+    """A frame cut off after part of its bytes is never takeable: take() raises StreamBroken naming the worker, the
+    slot (or the segment the writer made for it) is given back, and a frame that arrived before the cut stays."""
+    size = 1 * MB + 3
+    with rs.Receiver(writer, HOST) as receiver:
+        sender = rs.Sender.connect(receiver.address, receiver.token, 3, 9, timeout_s=5)
+        if into == "ring slot":  # two slots in the ring, both free again once checked
+            for i in (0, 1):
+                sender.send(i, _payload(size, i))
+            _until(lambda: receiver.batches[3] == 2)  # both claimed before either is freed: two made, two slots
+            for i in (0, 1):
+                _check_in_ring(ring, receiver.take(3, 9, i, timeout=5), _payload(size, i))
+        kept = _payload(size - 10, 42)
+        sender.send(2, kept)
+        _until(lambda: receiver.batches[3] == (3 if into == "ring slot" else 1))
+        raw = sender._sock
+        raw.sendall(rs.FRAME.pack(rs.FRAME_MAGIC, 3, size) + _payload(size // 2, 3).tobytes())
+        sender.close()
+        with pytest.raises(rs.StreamBroken, match="worker 3 .*cut after"):
+            receiver.take(3, 9, 3, timeout=5)
+        slot_id, made = writer.claims[-1]
+        assert writer.abandoned == [(slot_id, made)]
+        if into == "ring slot":
+            assert made is None and slot_id == 1  # slot 0 went to the kept frame
+            assert ring.control.is_free(slot_id)
+        else:
+            assert slot_id is None and made is not None
+            assert not os.path.exists(segments._path(made))
+        _check_in_ring(ring, receiver.take(3, 9, 2, timeout=0), kept)
+        assert receiver.stats()["batches"] == {3: 3 if into == "ring slot" else 1}
+
+
+@pytest.mark.parametrize("header", [
+    rs.FRAME.pack(b"JUNK", 0, 100),
+    rs.FRAME.pack(rs.FRAME_MAGIC, 0, 2**63),  # would otherwise ask the writer for 8 EiB
+    rs.FRAME.pack(rs.FRAME_MAGIC, 0, 0),
+], ids=["magic", "huge", "empty"])
+def test_garbage_instead_of_a_frame_header_breaks_the_stream_without_claiming(writer, header):
+    """A header with a wrong magic or an impossible size ends the stream before any memory is claimed."""
+    with rs.Receiver(writer, HOST) as receiver:
+        sender = rs.Sender.connect(receiver.address, receiver.token, 4, 1, timeout_s=5)
+        sender._sock.sendall(header + b"\0" * 100)
+        with pytest.raises(rs.StreamBroken, match="worker 4 .*garbage"):
+            receiver.take(4, 1, 0, timeout=5)
+        sender.close()
+        assert writer.claims == []
+
+
+def test_a_batch_sent_twice_breaks_the_stream(writer):
+    """The same task index twice on one stream is a confused sender: the second is not read, the first stays."""
+    with rs.Receiver(writer, HOST) as receiver:
+        sender = rs.Sender.connect(receiver.address, receiver.token, 5, 1, timeout_s=5)
+        sender.send(0, _payload(1000, 0))
+        try:
+            sender.send(0, _payload(1000, 1))
+        except OSError:
+            pass  # the receiver may already have closed on the header: its unread bytes make the reset
+        with pytest.raises(rs.StreamBroken, match="sent twice"):
+            receiver.take(5, 1, 1, timeout=5)
+        assert len(writer.claims) == 1
+        assert receiver.take(5, 1, 0, timeout=0) == writer.claims[0]
+        writer.abandon(*writer.claims[0])  # taken: the caller's to give back
+        sender.close()
+
+
+def test_take_returns_none_on_timeout_and_the_frame_once_it_arrives(ring, writer):
+    """take() waits up to its timeout and returns None; the frame sent afterwards is returned; an unknown stream
+    raises at once rather than waiting."""
+    with rs.Receiver(writer, HOST) as receiver:
+        with rs.Sender.connect(receiver.address, receiver.token, 6, 0, timeout_s=5) as sender:
+            t0 = time.monotonic()
+            assert receiver.take(6, 0, 0, timeout=0.2) is None
+            assert time.monotonic() - t0 >= 0.2
+            data = _payload(5000, 6)
+            later = threading.Timer(0.1, sender.send, (0, data))
+            later.start()
+            got = receiver.take(6, 0, 0, timeout=5)  # woken by the frame, well before the timeout
+            later.join()
+            _check_in_ring(ring, got, data)
+            t0 = time.monotonic()
+            with pytest.raises(rs.StreamBroken, match="worker 6 .*never connected"):
+                receiver.take(6, 1, 0, timeout=5)  # another start of the same worker
+            assert time.monotonic() - t0 < 1
+
+
+def test_a_second_connection_for_the_same_actor_start_is_refused(writer):
+    """One connection per actor start: a second hello naming it is refused, and the first stream goes on."""
+    with rs.Receiver(writer, HOST) as receiver:
+        with rs.Sender.connect(receiver.address, receiver.token, 7, 3, timeout_s=5) as first:
+            with pytest.raises(OSError):
+                rs.Sender.connect(receiver.address, receiver.token, 7, 3, timeout_s=5)
+            assert receiver.refused == 1
+            first.send(0, _payload(10, 0))
+            got = receiver.take(7, 3, 0, timeout=5)
+            assert got is not None
+            writer.abandon(*got)
+
+
+def test_send_refuses_a_non_contiguous_buffer_without_breaking_the_stream(writer):
+    """Only one contiguous buffer goes out without a copy: anything else is the caller's error, and the stream is
+    still usable after it; a multi-dimensional array goes out as its bytes."""
+    with rs.Receiver(writer, HOST) as receiver:
+        with rs.Sender.connect(receiver.address, receiver.token, 8, 0, timeout_s=5) as sender:
+            with pytest.raises(ValueError, match="contiguous"):
+                sender.send(0, np.zeros((64, 64), dtype=np.uint8)[:, ::2])
+            grid = _payload(4096, 8).reshape(64, 64)
+            sender.send(0, grid)
+            got = receiver.take(8, 0, 0, timeout=5)
+            assert got is not None and receiver.stats()["bytes"] == {8: 4096}
+            writer.abandon(*got)
+
+
+def test_discard_gives_back_untaken_slots_and_leaves_no_thread_or_fd(ring, writer):
+    """discard() gives back what arrived and was not taken, ends the connection and its thread, and refuses the
+    same start later; closing then leaves the threads and descriptors found before the receiver."""
+    fds, threads = _fds(), set(threading.enumerate())
+    receiver = rs.Receiver(writer, HOST)
+    sender = rs.Sender.connect(receiver.address, receiver.token, 9, 5, timeout_s=5)
+    for i in (0, 1):
+        sender.send(i, _payload(MB + i, i))
+    _until(lambda: receiver.batches[9] == 2)
+    _check_in_ring(ring, receiver.take(9, 5, 0, timeout=0), _payload(MB, 0))
+    untaken = writer.claims[1]
+    assert len(set(threading.enumerate()) - threads) == 2  # the acceptor and the stream's thread
+    receiver.discard(9, 5)
+    assert writer.abandoned == [untaken]
+    assert len(set(threading.enumerate()) - threads) == 1  # the stream's thread ended with its connection
+    sender._sock.settimeout(5)
+    assert _closed_by_peer(sender._sock)  # the receiver closed its end
+    with pytest.raises(rs.StreamBroken, match="worker 9 .*discarded"):
+        receiver.take(9, 5, 1, timeout=5)
+    with pytest.raises(OSError):  # the replaced actor cannot come back
+        rs.Sender.connect(receiver.address, receiver.token, 9, 5, timeout_s=5)
+    receiver.discard(9, 5)  # again: nothing left to do
+    sender.close()
+    receiver.close()
+    assert set(threading.enumerate()) == threads
+    assert _fds() == fds
+
+
+def test_close_ends_every_connection_gives_back_every_slot_and_is_idempotent(ring, writer):
+    """close() with a frame untaken, a frame half received and a peer still in its handshake: every slot goes back,
+    every thread ends promptly, every descriptor is closed; a second close() is harmless, and afterwards take()
+    raises and connecting fails."""
+    fds, threads = _fds(), set(threading.enumerate())
+    receiver = rs.Receiver(writer, HOST, handshake_timeout_s=30)
+    done = rs.Sender.connect(receiver.address, receiver.token, 10, 0, timeout_s=5)
+    done.send(0, _payload(MB, 0))
+    half = rs.Sender.connect(receiver.address, receiver.token, 11, 0, timeout_s=5)
+    half._sock.sendall(rs.FRAME.pack(rs.FRAME_MAGIC, 0, 2 * MB) + _payload(MB, 1).tobytes())
+    silent = socket.create_connection(receiver.address, timeout=5)
+    _until(lambda: receiver.batches[10] == 1 and len(writer.claims) == 2)
+    _until(lambda: len(set(threading.enumerate()) - threads) == 4)  # acceptor, two streams, one handshake
+    t0 = time.monotonic()
+    receiver.close()
+    assert time.monotonic() - t0 < 2  # woken by shutdown, not by the handshake's 30 s timeout
+    assert sorted(writer.abandoned, key=repr) == sorted(writer.claims, key=repr)
+    assert all(slot_id is None and not os.path.exists(segments._path(made)) for slot_id, made in writer.abandoned)
+    assert set(threading.enumerate()) == threads
+    receiver.close()
+    with pytest.raises(rs.StreamBroken, match="worker 10 .*closed"):
+        receiver.take(10, 0, 0, timeout=5)
+    with pytest.raises(OSError):
+        rs.Sender.connect(receiver.address, receiver.token, 12, 0, timeout_s=2)
+    assert _closed_by_peer(silent)
+    silent.close()
+    done.close()
+    half.close()
+    assert _fds() == fds
