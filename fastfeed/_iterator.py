@@ -163,6 +163,13 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
                 raise
         self._shutdown = False
         _live.add(self)
+        if self._stats is not None:
+            kind = "thread" if self._threads else "process"
+            self._stats.paths.update({w: kind for w in range(local if remote else self._num_workers)})
+            if remote:  # the actors' paths are known as each starts: the pool fills the recorder's own dict
+                actors = getattr(self._pool, "remote", self._pool)
+                self._stats.paths.update(actors.paths)
+                actors.paths = self._stats.paths
         if self._threads or remote:
             self._start_epoch(loader, self._pool)
 

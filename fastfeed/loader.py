@@ -263,7 +263,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         if tuner is None:  # (a TuningIter refers to this loader, and its state is no position anyway)
             self._ff_kept = [it]
         if it._stats is not None and it._stats is self._ff_stats:  # persistent workers: a new epoch
+            paths = it._stats.paths  # the workers are the same, and a Ray pool keeps filling this one
             it._stats = stats.recorder(it._num_workers, self.prefetch_factor if it._num_workers else None)
+            if it._stats is not None:
+                it._stats.paths = paths
         self._ff_stats = it._stats
         # GDS batches are read onto the device, device_transform and device_prefetch applied by the reader thread.
         if self._ff_stage is None or self.reader == "gds":

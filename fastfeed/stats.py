@@ -39,7 +39,7 @@ class Recorder:
     """
 
     __slots__ = ("num_workers", "prefetch_factor", "started", "asks", "returns", "ready", "h2d", "fetch",
-                 "collate", "ends", "_extra", "add")  # fmt: skip
+                 "collate", "ends", "_extra", "add", "paths")  # fmt: skip
 
     def __init__(self, num_workers: int, prefetch_factor: int | None) -> None:
         self.num_workers = num_workers
@@ -53,6 +53,7 @@ class Recorder:
         self.collate = [array("d") for _ in range(num_workers)]
         self.ends = [array("d") for _ in range(num_workers)]
         self._extra = None  # past MAX_RECORDS: [batches, Σwait, Σstep, last return]
+        self.paths: dict[int, str] = {}  # worker id -> how its batches reach the ring (Stats.worker_paths)
         self.add = self._adder()
 
     def _adder(self):
@@ -149,6 +150,9 @@ class Stats:
             ``MAX_RECORDS`` batches).
         fetch_mean_s, collate_mean_s: per batch, in the workers (None with ``num_workers=0``).
         h2d_p50_s: the host-to-device copy's median (None without a CUDA device stage).
+        worker_paths: how each worker's batches reach the ring: ``"process"`` and ``"thread"`` write into it;
+            a Ray actor's take ``"shm"`` (an actor on this node writes into it), ``"stream"`` (another node's,
+            read into it from a TCP stream) or ``"object store"`` (through Ray's object store, then copied in).
     """
 
     num_workers: int
@@ -166,6 +170,7 @@ class Stats:
     fetch_mean_s: float | None
     collate_mean_s: float | None
     h2d_p50_s: float | None
+    worker_paths: tuple = ()
 
     @classmethod
     def of(cls, rec: Recorder | None) -> Stats:
@@ -197,6 +202,7 @@ class Stats:
             fetch_mean_s=statistics.fmean(fetch) if fetch else None,
             collate_mean_s=statistics.fmean(collate) if collate else None,
             h2d_p50_s=quantile(rec.h2d, 0.5),
+            worker_paths=tuple(rec.paths.get(w, "") for w in range(rec.num_workers)),
         )
 
     def as_dict(self) -> dict:

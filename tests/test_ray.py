@@ -49,6 +49,12 @@ def _workers_of(loader):
     return pool.workers if isinstance(pool, ray_pool.RayPool) else pool.remote.workers
 
 
+def _workers_of_pool(loader):
+    """The latest iterator's RayPool."""
+    pool = loader._ff_last()._pool
+    return pool if isinstance(pool, ray_pool.RayPool) else pool.remote
+
+
 def _where(loader, wid_index=0, timeout=30.0):
     w = _workers_of(loader)[wid_index]
     deadline = time.monotonic() + timeout
@@ -108,13 +114,45 @@ def cluster():
     assert _leaks.wait_for_no_leaks(_leaks.Snapshot(before, _leaks.open_fds(), _leaks.shm_segments()), 10) == []
 
 
-def test_map_style_batches_equal_torchs_with_random_augmentation(cluster):
-    """Shuffled map-style batches with torch, random and numpy augmentations equal torch's, two epochs running."""
+FORCED = ["shm", "stream", "store"]  # each path alone; "auto" (a mix of the first two here) where it is cheap
+
+
+@pytest.fixture(params=["auto", *FORCED])
+def path(request, monkeypatch):
+    """Each way a batch reaches the ring: chosen by where the actor runs (auto: the head, where this process is,
+    has a CPU, so one actor may land there and take shm while the other streams), or forced."""
+    monkeypatch.setenv("FASTFEED_RAY_PATH", request.param)
+    return request.param
+
+
+def check_paths(loader, path: str, nodes=None) -> None:
+    """The loader's Ray workers took ``path`` (auto: shm on this process's node, a stream from any other; ``nodes``:
+    each worker's node, taken while the epoch ran)."""
+    paths = loader.stats().worker_paths
+    if path == "auto":
+        here = ray.get_runtime_context().get_node_id()
+        want = tuple("shm" if node == here else "stream" for node in nodes)
+    else:
+        want = ("object store" if path == "store" else path,) * len(paths)
+    assert paths == want, (path, paths)
+
+
+def test_map_style_batches_equal_torchs_with_random_augmentation(cluster, path):
+    """Shuffled map-style batches with torch, random and numpy augmentations equal torch's, two epochs running,
+    whichever way the batches reach the ring."""
     data = ds.AugmentedDataset(n=26, width=4)
     kw = dict(batch_size=3, shuffle=True, num_workers=2)
     ref = _torch(data, epochs=2, generator=torch.Generator().manual_seed(7), **kw)
-    got = _epochs(fastfeed.DataLoader(data, worker_type="ray", generator=torch.Generator().manual_seed(7), **kw), 2)
+    loader = fastfeed.DataLoader(data, worker_type="ray", generator=torch.Generator().manual_seed(7), **kw)
+    seed_all(0)
+    got, nodes = [], None
+    for _ in range(2):
+        got.append([])
+        for b in loader:
+            got[-1].append(copy_batch(b))
+            nodes = nodes or [_where(loader, i)["node_id"] for i in range(2)]
     assert_same(got, ref)
+    check_paths(loader, path, nodes)
 
 
 def test_iterable_batches_equal_torchs_with_persistent_workers(cluster):
@@ -181,7 +219,8 @@ def test_timeout_raises_torchs_error_and_leaves_no_actor(cluster):
     assert wait_no_actors() == []
 
 
-def test_resume_after_a_break_and_between_epochs(cluster):
+@pytest.mark.parametrize("path", FORCED, indirect=True)
+def test_resume_after_a_break_and_between_epochs(cluster, path):
     """state_dict() after a break resumes with the rest of the epoch, and between epochs with the next one,
     bit-identical to an uninterrupted run."""
     data = ds.AugmentedDataset(n=24)
@@ -206,6 +245,84 @@ def test_resume_after_a_break_and_between_epochs(cluster):
     again = fastfeed.DataLoader(data, generator=torch.Generator().manual_seed(99), **kw)
     again.load_state_dict(between)
     assert_same([copy_batch(b) for b in again], ref[1])
+
+
+@pytest.mark.parametrize("path", ["shm", "stream"])
+def test_an_actor_that_cannot_set_its_path_up_uses_the_object_store_and_says_so(cluster, monkeypatch, caplog, path):
+    """An actor that cannot map the ring's shared memory (another container's /dev/shm, another user), or whose
+    connection to the loader's stream is refused (a firewall), falls back to the object store, with one log line
+    per worker, and the batches are torch's."""
+    monkeypatch.setenv("FASTFEED_RAY_PATH", path)
+    if path == "shm":
+        made = ray_pool.RayPool.__init__
+
+        def unseen(self, ray_, nw, first, spec, *args, **kw):  # the actors look for a control block not there
+            made(self, ray_, nw, first, spec._replace(control=spec.control[:-4] + "0000"), *args, **kw)
+
+        monkeypatch.setattr(ray_pool.RayPool, "__init__", unseen)
+        why = "shm could not be set up (FileNotFoundError"
+    else:
+        with socket.socket() as s:  # a port nobody listens on
+            s.bind(("127.0.0.1", 0))
+            closed = s.getsockname()
+        link = ray_pool.RayPool._make_link
+        monkeypatch.setattr(ray_pool.RayPool, "_make_link", lambda self, *a: {**link(self, *a), "stream": closed})
+        why = "stream could not be set up (ConnectionRefusedError"
+    data = ds.AugmentedDataset(n=12, width=4)
+    kw = dict(batch_size=3, num_workers=2)
+    loader = fastfeed.DataLoader(data, worker_type="ray", **kw)
+    with caplog.at_level(logging.WARNING, logger="fastfeed"):
+        assert_same(_epochs(loader), _torch(data, **kw))
+    assert loader.stats().worker_paths == ("object store", "object store")
+    said = [r.getMessage() for r in caplog.records if "object store" in r.getMessage()]
+    assert len(said) == 2 and all(why in line for line in said), said
+
+
+def test_a_connection_without_the_token_is_refused_and_changes_nothing(cluster, monkeypatch):
+    """The loader's stream takes nothing from a connection that does not present its token: it is closed, counted,
+    and the epoch's batches are torch's."""
+    monkeypatch.setenv("FASTFEED_RAY_PATH", "stream")
+    data = ds.AugmentedDataset(n=24, width=4)
+    kw = dict(batch_size=3, num_workers=2)
+    loader = fastfeed.DataLoader(data, worker_type="ray", **kw)
+    seed_all(0)
+    got = []
+    for b in loader:
+        got.append(copy_batch(b))
+        if len(got) == 2:
+            receiver = _workers_of_pool(loader)._receiver
+            from fastfeed._workers.ray_stream import Sender
+
+            with pytest.raises(ConnectionRefusedError, match="refused worker 0"):  # closed on it, no ack
+                Sender.connect(receiver.address, b"x" * 32, 0, 1, 5.0)
+            assert receiver.stats()["refused"] == 1
+    assert_same([got], _torch(data, **kw))
+
+
+def test_a_stream_cut_mid_batch_yields_no_partial_batch_and_the_batch_is_made_again(cluster, monkeypatch, capfd):
+    """The loader's side of a stream breaks after half of batch 3's bytes: that slot is given back, the actor is
+    replaced from its last state, and the epoch is torch's, no batch lost, repeated or torn."""
+    from fastfeed._workers import ray_stream
+
+    monkeypatch.setenv("FASTFEED_RAY_PATH", "stream")
+    fill, bodies = ray_stream._fill, []
+
+    def cut_once(sock, view):
+        if len(view) > ray_stream.FRAME.size:  # a batch's bytes, not a header
+            bodies.append(len(view))
+            if len(bodies) == 3:
+                fill(sock, view[: len(view) // 2])
+                raise ConnectionResetError("cut by the test")
+        return fill(sock, view)
+
+    monkeypatch.setattr(ray_stream, "_fill", cut_once)
+    data = ds.AugmentedDataset(n=30, width=64)
+    kw = dict(batch_size=3, shuffle=True, num_workers=2)
+    ref = _torch(data, generator=torch.Generator().manual_seed(5), **kw)
+    got = _epochs(fastfeed.DataLoader(data, worker_type="ray", generator=torch.Generator().manual_seed(5), **kw))
+    assert_same(got, ref)
+    assert len(bodies) >= 11  # 10 batches, and the one cut sent again
+    assert "(Ray actor) was lost (StreamBroken)" in capfd.readouterr().err
 
 
 def test_the_dataset_is_pickled_once_per_epoch_not_per_task(cluster):
@@ -441,7 +558,7 @@ def test_without_ray_installed_the_error_names_the_extra(monkeypatch):
         iter(loader)
 
 
-def test_kill_9_of_an_actor_mid_epoch_loses_and_repeats_nothing(cluster, capfd):
+def test_kill_9_of_an_actor_mid_epoch_loses_and_repeats_nothing(cluster, capfd, path):
     """An actor killed with SIGKILL mid-epoch is replaced from its last state: the epoch equals torch's."""
     data = rds.SlowAugmented(n=40, delay=0.02)
     kw = dict(batch_size=4, shuffle=True, num_workers=2)
@@ -455,6 +572,8 @@ def test_kill_9_of_an_actor_mid_epoch_loses_and_repeats_nothing(cluster, capfd):
             os.kill(_where(loader, 0)["pid"], signal.SIGKILL)
     assert_same(got, ref)
     assert "DataLoader worker 0 (Ray actor) was lost" in capfd.readouterr().err
+    if path != "auto":  # (auto: the replacement may land elsewhere than the actor it replaced)
+        check_paths(loader, path)
 
 
 def test_removing_a_node_mid_epoch_loses_and_repeats_nothing(cluster, capfd):
@@ -470,6 +589,7 @@ def test_removing_a_node_mid_epoch_loses_and_repeats_nothing(cluster, capfd):
         got.append(copy_batch(b))
         if len(got) == 3:  # a worker node, not the head, whose end would be the cluster's
             lost = next(i for i in range(2) if _where(loader, i)["node_id"] in {n.node_id for n in nodes})
+            assert loader.stats().worker_paths[lost] == "stream"  # another node's: its stream breaks with it
             c.remove_node(next(n for n in nodes if n.node_id == _where(loader, lost)["node_id"]))
     assert_same(got, ref)
     assert f"DataLoader worker {lost} (Ray actor) was lost" in capfd.readouterr().err
@@ -525,7 +645,8 @@ def _interrupt_once_inside(code, limit_s=60.0) -> threading.Thread:
     return thread
 
 
-def test_nothing_is_left_behind_after_delete_error_or_ctrl_c(cluster, tmp_path):
+@pytest.mark.parametrize("path", FORCED, indirect=True)
+def test_nothing_is_left_behind_after_delete_error_or_ctrl_c(cluster, tmp_path, path):
     """After a loader is deleted (mid-epoch or after whole epochs), a dataset error or Ctrl-C while the loop waits
     for a batch, no actor of fastfeed's is alive and no object reference of its remains."""
     gc.collect()

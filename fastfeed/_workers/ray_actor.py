@@ -7,10 +7,19 @@ ahead of the running one wait in the loop's queue, where a dataset's read-ahead 
 sees them, as a worker process sees the tasks waiting in its pipe. Ray runs an asyncio actor's calls in no promised
 order: each call carries its number in the epoch its ``start`` began, and the messages reach the loop in that order.
 
-A batch comes back as one flat byte buffer laid out as a ring slot would be (``layout.plan``/``fill``): Ray stores it
-in the object store, the main process copies it once into a slot. With each answer to a task goes the worker's state
-right after it (RNGs, a stateful dataset's position, batches made), which is what a replacement actor starts from if
-this one is lost (``ray_pool``). Nothing in this module imports Ray: the actor class is made from it where Ray is used.
+Where a batch goes depends on where the actor runs (its *path*, chosen at each ``start``, see ``_writer_for``):
+
+- ``shm``: on the training process's node, the actor attaches the ring's control block and slot segments by name
+  and writes the batch into a slot, as a worker process does; only the small ``Done`` goes back through Ray.
+- ``stream``: on another node, the actor sends the batch's bytes, laid out as a slot, over one TCP connection to the
+  loader's ``ray_stream.Receiver``, which reads them straight into a slot; the ``Done`` goes back through Ray.
+- ``object store``: the batch is one flat byte buffer laid out as a slot (``layout.plan``/``fill``), returned through
+  Ray's object store, and copied once into a slot by the main process. Where neither of the others can be set up
+  (another container or user, a firewall), and for a batch whose stream broke as it was sent.
+
+With each answer to a task goes the worker's state right after it (RNGs, a stateful dataset's position, batches
+made), which is what a replacement actor starts from if this one is lost (``ray_pool``). Nothing in this module
+imports Ray: the actor class is made from it where Ray is used.
 """
 
 from __future__ import annotations
@@ -28,14 +37,23 @@ import torch
 from torch.utils.data._utils import worker as torch_worker
 
 from .._dataset_hooks import hooks_of
-from .._ring import layout
+from .._ring import layout, segments
+from .._ring.control import Control
 from . import messages as m
 from . import readahead
-from .loop import _seed, _seed_datapipe, serve
+from .loop import SlotWriter, _seed, _seed_datapipe, serve
+
+
+SHM, STREAM, STORE = "shm", "stream", "object store"  # the paths a batch takes to the ring (see the docstring)
+PATHS = (SHM, STREAM, STORE)
+PATH_ENV = "FASTFEED_RAY_PATH"  # auto (the default), or one of "shm", "stream", "store" to force it (tests, bench)
 
 
 class BufferWriter:
-    """``SlotWriter``'s face for an actor: the batch goes into a fresh flat buffer, not a ring slot."""
+    """``SlotWriter``'s face for an actor: the batch goes into a fresh flat buffer, returned through Ray's object
+    store."""
+
+    path = STORE
 
     def __init__(self):
         self.buffer = None  # the last batch's bytes, taken with the answer that reports them
@@ -43,13 +61,72 @@ class BufferWriter:
     def write(self, task: m.Task, batch, worker_id: int, fetch_s=0.0, collate_s=0.0, since=0.0, timed=False) -> m.Done:
         payload, objs, leaves, nbytes = layout.plan(batch)
         if nbytes:
-            buf = np.empty(nbytes, dtype=np.uint8)
+            buf = self._memory(nbytes)
             layout.fill(torch.from_numpy(buf), objs, leaves)
-            self.buffer = buf
+            self._send(task.idx, buf)
         if timed:
             collate_s += time.perf_counter() - since
-        # done_at stays 0: this machine's clock says nothing about the main process's timeline.
+        # done_at stays 0: another machine's clock says nothing about the main process's timeline.
         return m.Done(task.idx, worker_id, nbytes, leaves, payload, None, None, fetch_s, collate_s, 0.0)
+
+    def _memory(self, nbytes: int) -> np.ndarray:
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def _send(self, idx: int, buf: np.ndarray) -> None:
+        self.buffer = buf
+
+    def take(self):
+        buf, self.buffer = self.buffer, None
+        return buf
+
+    def close(self) -> None:
+        self.buffer = None
+
+
+class RingWriter(SlotWriter):
+    """On the training process's node: the ring's own slots, written as a worker process writes them. The ``Done``
+    names the slot (or a segment of the actor's making, which the ring adopts), so no bytes go through Ray."""
+
+    path = SHM
+
+    def take(self):
+        return None
+
+    def close(self) -> None:
+        self.mapped.clear()  # the slots' mappings: the control block goes with the last reference
+
+
+class StreamWriter(BufferWriter):
+    """On another node: each batch is laid out as a slot in a buffer of the actor's, and sent over the loader's
+    stream, which reads it into a slot. A send that fails leaves this batch (and those after it) to the object
+    store: the stream's receiver discards what it got of it, so no half batch is ever yielded."""
+
+    path = STREAM
+
+    def __init__(self, sender):
+        super().__init__()
+        self.sender = sender
+        self._scratch = np.empty(0, np.uint8)  # reused: a fresh buffer per batch would fault in its pages each time
+        self.broken: str | None = None  # why the stream was given up (the object store carries on)
+
+    def _memory(self, nbytes: int) -> np.ndarray:
+        if len(self._scratch) < nbytes:
+            self._scratch = np.empty(nbytes + nbytes // 4, np.uint8)
+        return self._scratch[:nbytes]
+
+    def _send(self, idx: int, buf: np.ndarray) -> None:
+        if self.broken is None:
+            try:
+                self.sender.send(idx, buf)  # returns once the bytes are the kernel's: the scratch is free again
+                return
+            except OSError as e:
+                self.broken = f"{type(e).__name__}: {e}"
+                self.sender.close()
+        self.buffer = buf.copy()  # Ray serialises it after the call returns, when the scratch is reused
+
+    def close(self) -> None:
+        super().close()
+        self.sender.close()
 
 
 class RayWorker:
@@ -67,16 +144,19 @@ class RayWorker:
         """Where this actor runs: for messages, and the tests' check of placement."""
         return {"host": socket.gethostname(), "pid": os.getpid(), "node_id": _node_id()}
 
-    async def start(self, epoch, worker_id: int, spec, resume: dict | None, sync: dict | None = None) -> dict:
+    async def start(self, epoch, worker_id: int, spec, resume: dict | None, sync: dict | None = None,
+                    link: dict | None = None) -> dict:  # fmt: skip
         """Begin serving as worker ``worker_id`` of ``spec`` (the epoch's ``WorkerSpec``, from the object store);
         ``epoch``: the key the calls of this epoch carry.
 
         ``resume``: where a replacement (or ``load_state_dict``) picks up, as for a worker process. ``sync``: a
         persistent worker's later epoch (its ``Resume``): the dataset's sync and shared seed, applied first.
+        ``link``: how to reach the loader's ring (``_writer_for``); None: through the object store.
         Returns the worker's state at the epoch's start and, resumed mid-epoch, the state it resumed from (both
-        ``StateReply``), and where it runs.
+        ``StateReply``), where it runs, and the path its batches take (with why, where it fell back).
         """
         self._end_thread()
+        writer, fallback = _writer_for(spec, link, worker_id, epoch)
         torch.set_num_threads(1)  # as a worker process: the actor's cores are its workers' to share
         seed = _seed(spec.base_seed, worker_id)
         dataset = _seed_datapipe(spec.dataset, spec.shared_seed if sync is None else sync["shared_seed"])
@@ -85,7 +165,7 @@ class RayWorker:
         torch_worker._worker_info = torch_worker.WorkerInfo(
             id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=dataset
         )
-        channel = self._channel = _Channel(asyncio.get_running_loop())
+        channel = self._channel = _Channel(asyncio.get_running_loop(), writer)
         where = f"in DataLoader worker {worker_id} (Ray actor, pid {os.getpid()} on {socket.gethostname()})"
         self._thread = threading.Thread(
             target=_serve, args=(worker_id, spec, dataset, channel, resume, where),
@@ -99,7 +179,8 @@ class RayWorker:
         self._let_in()
         state = to_wire((await state)[0])
         restored = None if restored is None else to_wire((await restored)[0])
-        return {"state": state, "restored": restored, "where": self.where()}
+        return {"state": state, "restored": restored, "where": self.where(), "path": writer.path,
+                "fallback": fallback}  # fmt: skip
 
     async def call(self, epoch, number: int, msg):
         """Hand ``msg``, call ``number`` of ``epoch``, to the loop once the calls numbered before it have. Returns
@@ -122,6 +203,8 @@ class RayWorker:
         if self._thread is not None and self._thread.is_alive():
             self._channel.stop()
             self._thread.join(timeout=5.0)  # one stuck in the dataset is left (a daemon); its channel is dropped
+        if self._channel is not None:
+            self._channel.writer.close()  # the last start's stream connection: each start makes its own
         self._thread = None
 
 
@@ -147,8 +230,8 @@ class _Channel:
     event loop's calls ``send``; only the loop's thread takes messages and answers (``get``, ``put``, ``crash``).
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.writer = BufferWriter()
+    def __init__(self, loop: asyncio.AbstractEventLoop, writer=None):
+        self.writer = BufferWriter() if writer is None else writer
         self._loop = loop
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (message, its _Call or None, is its state request)
         self._taken: collections.deque = collections.deque()  # inbox entries the loop took and has not answered
@@ -204,7 +287,7 @@ class _Channel:
             return
         call.reply = reply
         if type(reply) is m.Done and reply.nbytes:
-            call.buf, self.writer.buffer = self.writer.buffer, None
+            call.buf = self.writer.take()
         if not call.asks_state:
             self._finish(call)
 
@@ -307,6 +390,33 @@ def _serve(worker_id, spec, dataset, channel: _Channel, resume, where) -> None:
         serve(worker_id, spec, dataset, channel.writer, channel.get, channel.put, resume, where=where)
     except BaseException as e:  # noqa: BLE001 (raised in the actor's calls, so the main process hears of it)
         channel.crash(e)
+
+
+def _writer_for(spec, link: dict | None, worker_id: int, key: int):
+    """The writer of this start's batches, and why it is not the path ``link`` asked for (None when it is).
+
+    ``link``: ``{"node": the loader's Ray node id, "path": a path forced by PATH_ENV or None, "stream": (host,
+    port) of the loader's ``ray_stream.Receiver`` or None, "token": its token}``. On the loader's node, the ring's
+    own shared memory; elsewhere, the stream; the object store where that cannot be set up."""
+    if link is None:
+        return BufferWriter(), None
+    want = link.get("path") or (SHM if _node_id() == link["node"] else STREAM)
+    try:
+        if want == SHM:
+            # By name, 0600 and unguessable: only a process of the loader's user, seeing its /dev/shm, gets here.
+            control = Control.attach(spec.control, spec.prefix)
+            return RingWriter(control, lambda claimed: segments.attach(claimed.name)), None
+        if want == STREAM and link.get("stream") is not None:
+            from .ray_stream import Sender
+
+            sender = Sender.connect(tuple(link["stream"]), link["token"], worker_id, key, STREAM_CONNECT_S)
+            return StreamWriter(sender), None
+    except OSError as e:
+        return BufferWriter(), f"{want} could not be set up ({type(e).__name__}: {e})"
+    return BufferWriter(), None if want == STORE else f"{want}: the loader offered none"
+
+
+STREAM_CONNECT_S = 10.0  # an actor that cannot reach the loader's stream in this long uses the object store
 
 
 def _node_id() -> str | None:

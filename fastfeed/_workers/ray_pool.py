@@ -6,9 +6,14 @@ the tasks sent ahead of the one it runs, and the answers come back in the order 
 worker's pipe. The epoch's ``WorkerSpec`` (and with it the dataset) goes into Ray's object store
 once per epoch, and each actor takes it from there: it is not pickled per task.
 
-A batch comes back as one Ray object: read in place from the object store on the same node, fetched over the network
-from another. The main process copies it once into a ring slot (or a segment of its own, as a worker process
-would), so pinning, the device stage and the leases downstream are those of process workers.
+A batch reaches the ring by one of three paths, chosen per actor at its start (``ray_actor._writer_for``): an actor on
+this process's node writes it into a ring slot itself (``shm``), as a worker process does; one on another node sends
+its bytes over a TCP stream that a thread of this process reads straight into a slot (``stream``, see
+``ray_stream``); and where neither can be set up, it comes back as one Ray object that the main process copies once
+into a slot (``object store``). Only the small ``Done`` goes through Ray on the first two, so the loop's cost per
+batch is a look-up, as with worker processes; pinning, the device stage and the leases downstream are theirs too.
+``stats().worker_paths`` says which path each worker took. ``FASTFEED_RAY_PATH`` (``shm``, ``stream``, ``store``)
+forces one, for tests and benchmarks.
 
 Losing a worker. Every answer carries the worker's state right after it (its RNGs, a stateful dataset's position,
 the batches it made), which is what a worker process keeps for ``DataLoader.state_dict()``. When an actor or its node
@@ -45,7 +50,7 @@ from . import messages as m
 from . import ray_connect
 from .loop import SlotWriter
 from .pool import _READY, STATUS_CHECK_S, Clock, WorkerDied
-from .ray_actor import from_wire, owned
+from .ray_actor import PATH_ENV, PATHS, SHM, STORE, STREAM, from_wire, owned
 
 log = logging.getLogger("fastfeed")
 
@@ -58,6 +63,9 @@ DEFAULT_OPTIONS = {"num_cpus": 1}  # a worker uses a core, as a worker process d
 _START = "start"  # the pending entry of an actor's start call
 _LOCAL = "local"  # a StateRequest, answered here from the states that came with the answers
 _epochs = itertools.count()  # keys of actor starts: an actor lets in the calls of its latest start only
+# Waiting for a streamed batch whose Done has come: its bytes were all sent before it, so only a connection that
+# stalls without breaking takes this long, and the actor is then replaced as if it were lost.
+STREAM_WAIT_S = 60.0
 
 
 def start_timeout_s() -> float:
@@ -177,7 +185,10 @@ class RayPool:
         self.first_id = first_id
         self.hang_dump_s = hang_dump_s
         self.blocked = 0
-        self.all_gone = True  # actors never write into the ring: the main process copies their batches in
+        # Whether no actor may still write into the ring: an actor on the shm path writes into its slots itself, so
+        # one killed with a task owed (stop) may still be writing as the next epoch would take the ring over.
+        self.all_gone = True
+        self.paths: dict[int, str] = {}  # worker id -> the path its batches take (stats().worker_paths)
         self._writer = writer
         self._options = dict(DEFAULT_OPTIONS, **(options or {}))
         self._key = repr(sorted(self._options.items()))
@@ -187,6 +198,9 @@ class RayPool:
         self._unrecoverable = unrecoverable
         self._lost = _lost_errors(ray)
         self._spec_ref = ray.put(spec)
+        self._receiver = None
+        self._link = self._make_link(ray, writer)
+        self._warned_paths: set = set()
         self._freed = False  # other loaders' spare actors were killed to make room
         self._checked = False  # the cluster was asked whether any node can host an actor at all
         self._noticed = False  # the log said what the actors not started wait for
@@ -217,10 +231,40 @@ class RayPool:
     def _worker(self, wid: int) -> _Worker:
         return self.workers[wid - self.first_id]
 
+    def _make_link(self, ray, writer) -> dict | None:
+        """What each actor's start is told of the ring's paths (``ray_actor._writer_for``), with the stream's
+        receiver made when actors may use it; None: every actor uses the object store."""
+        forced = os.environ.get(PATH_ENV, "auto").strip().lower() or "auto"
+        forced = STORE if forced == "store" else forced
+        if forced not in (*PATHS, "auto"):
+            raise ValueError(f"{PATH_ENV}={forced!r}: expected auto, shm, stream or store")
+        if forced == STORE:
+            return None
+        try:
+            node = ray.get_runtime_context().get_node_id()
+            host = ray.util.get_node_ip_address()
+        except Exception as e:  # noqa: BLE001 (a client connection has no node of its own: the object store)
+            log.warning("fastfeed: Ray workers use the object store: this process is on no Ray node (%s)", e)
+            return None
+        stream = token = None
+        if forced != SHM:
+            from .ray_stream import Receiver
+
+            try:
+                self._receiver = Receiver(writer, host)
+            except OSError as e:
+                log.warning("fastfeed: Ray workers on other nodes use the object store: no stream listener on %s "
+                            "(%s: %s)", host, type(e).__name__, e)  # fmt: skip
+            else:
+                stream, token = self._receiver.address, self._receiver.token
+        return {"node": node, "path": None if forced == "auto" else forced, "stream": stream, "token": token}
+
     def _begin(self, w: _Worker, resume, sync=None):
         """Start ``w``'s actor (its ``start`` call's reference); the calls after it are numbered afresh."""
+        if self._receiver is not None and w.epoch is not None:
+            self._receiver.discard(w.wid, w.epoch)  # the last start's connection and what it sent, not taken
         w.epoch, w.calls, w.asked = next(_epochs), 0, time.monotonic()
-        return w.actor.start.remote(w.epoch, w.wid, self._spec_ref, resume, sync)
+        return w.actor.start.remote(w.epoch, w.wid, self._spec_ref, resume, sync, self._link)
 
     def _call(self, w: _Worker, message):
         n, w.calls = w.calls, w.calls + 1
@@ -445,12 +489,38 @@ class RayPool:
                     where, self._options, self._room(), then)  # fmt: skip
 
     def _get(self, w: _Worker, ref):
-        """The answer behind ``ref``, or None when the actor (or the answer) was lost and has been replaced."""
+        """The answer behind ``ref``, or None when the actor (or the answer) was lost and has been replaced. A batch
+        that came over the stream is in its slot by then (a stream that broke under it counts as the actor lost:
+        the batch is made again)."""
         try:
-            return self.ray.get(ref)
+            answer = self.ray.get(ref)
         except self._lost as e:
             self._replace(w, e)
             return None
+        if type(answer) is tuple and self._receiver is not None:
+            reply = answer[0]
+            if type(reply) is m.Done and reply.nbytes and answer[2] is None and reply.slot_id is None \
+                    and reply.made is None:  # fmt: skip
+                try:
+                    slot_id, made = self._streamed(w, reply.idx)
+                except ConnectionError as e:
+                    self._replace(w, e)
+                    return None
+                answer = (reply._replace(slot_id=slot_id, made=made), answer[1], None)
+        return answer
+
+    def _streamed(self, w: _Worker, idx: int):
+        """The slot into which the stream read task ``idx``'s batch; raises ConnectionError if it never will."""
+        from .ray_stream import StreamBroken
+
+        deadline = time.monotonic() + STREAM_WAIT_S
+        while True:
+            got = self._receiver.take(w.wid, w.epoch, idx, min(1.0, max(0.0, deadline - time.monotonic())))
+            if got is not None:
+                return got
+            if time.monotonic() >= deadline:
+                raise StreamBroken(w.wid, w.epoch, f"DataLoader worker {w.wid} (Ray actor): batch {idx} reported "
+                                   f"sent, not received in {STREAM_WAIT_S:.0f} s")  # fmt: skip
 
     def _took(self, w: _Worker, msg, answer):
         """Record an answer; returns the message to hand to the iterator, or None (nothing to hand)."""
@@ -460,6 +530,9 @@ class RayPool:
                 if answer.get("restored") is not None:  # load_state_dict's, as task RESTORED until its next task
                     w.last = w.states[m.RESTORED] = owned(answer["restored"])
             w.where = answer["where"]
+            self.paths[w.wid] = answer.get("path", STORE)
+            if answer.get("fallback"):
+                self._warn_path(w, f"its batches go through Ray's object store: {answer['fallback']}")
             return None
         reply, state, buf = answer
         if reply is None:
@@ -474,9 +547,19 @@ class RayPool:
                 if len(w.states) > 4 * max(1, len(w.pending)) + 64:  # keep the recent ones (state_dict asks those)
                     for idx in sorted(w.states)[: len(w.states) // 2]:
                         del w.states[idx]
-        if type(reply) is m.Done and reply.nbytes:
+        if type(reply) is m.Done and buf is not None:
+            if self.paths.get(w.wid) == STREAM:
+                self.paths[w.wid] = STORE
+                self._warn_path(w, "its stream broke as a batch was sent: its batches go through Ray's object "
+                                   "store from now on")  # fmt: skip
             return self._into_ring(reply, buf)
         return reply
+
+    def _warn_path(self, w: _Worker, what: str) -> None:
+        if w.wid not in self._warned_paths:  # one line per worker, however many starts it has
+            self._warned_paths.add(w.wid)
+            log.warning("fastfeed: DataLoader worker %d (Ray actor on %s): %s", w.wid,
+                        (w.where or {}).get("host", "?"), what)  # fmt: skip
 
     def _into_ring(self, reply: m.Done, buf: np.ndarray) -> m.Done:
         """Copy the batch's bytes into a slot: its one copy on this machine."""
@@ -549,10 +632,15 @@ class RayPool:
             if clean and self._spare is not None:
                 self._spare.give(self._key, w.actor, ray)
             else:
-                _kill(ray, w.actor)
+                _kill(ray, w.actor)  # asynchronous: it may still be writing a batch
+                if owed and self.paths.get(w.wid) == SHM:
+                    self.all_gone = False  # into a slot of the ring: the ring is closed, not taken over
             w.actor = None
         self.workers = []
         self._spec_ref = None
+        if self._receiver is not None:
+            self._receiver.close()
+            self._receiver = None
 
 
 def _short(index) -> str:
