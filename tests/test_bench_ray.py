@@ -1,6 +1,6 @@
-"""`fastfeed bench ray`: Ray actors against worker processes, their scaling and local plus remote, end to end at
---quick size on the local cluster the suite starts, and the parts of it that decide a figure (the datasets, the
-tables, the targets' reading).
+"""`fastfeed bench ray`: Ray actors on each of their paths against worker processes, their scaling and local plus
+remote, end to end at --quick size on the local cluster the suite starts, and the parts of it that decide a figure
+(the datasets, the paths checked, the tables, the targets' reading).
 
 These check the harness and what its report holds, not speed: no figure is held to a target here.
 """
@@ -14,9 +14,11 @@ import pickle
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from _first_run import TARGET
 from fastfeed.bench import extras, report, standard
@@ -50,8 +52,9 @@ def quick_report(tmp_path_factory) -> tuple[dict, str]:
 
 @needs_ray
 def test_quick_run_measures_every_part_on_a_loopback_cluster(quick_report):
-    """A quick run starts a CPU-less head and two CPU nodes, all on 127.0.0.1, and measures transport through
-    actors beside processes, the receive rate, every actor count against its ideal, and local plus remote."""
+    """A quick run starts a CPU-less head (the loop's node, with the trainer resource) and two CPU nodes, all on
+    127.0.0.1, and measures transport through actors on each path beside processes, the receive rate, every actor
+    count against its ideal, and local plus remote; each trial's workers took the path its row names."""
     rep, _ = quick_report
     assert rep["workloads"]["ray"]["kind"] == "ray"
     res = rep["workloads"]["ray"]["result"]
@@ -59,16 +62,26 @@ def test_quick_run_measures_every_part_on_a_loopback_cluster(quick_report):
     assert len(nodes) == 3 and all(n["alive"] for n in nodes)
     assert {n["address"] for n in nodes} == {"127.0.0.1"}
     assert sorted(n["cpus"] for n in nodes) == [0.0, 8.0, 8.0]
+    (head,) = [n for n in nodes if n["head"]]
+    assert head["cpus"] == 0 and head["resources"] == {"trainer_node": suite.TRAINER_SLOTS}
+    assert head["node_id"] == res["cluster"]["driver_node"]
     over = res["overhead"]
     assert over["batch_bytes"] == 64 * 3 * 224 * 224
-    for side in ("process", "ray"):
-        assert len(over[side]["rounds"]) == res["params"]["rounds"]
-        for rec in over[side]["rounds"]:
+    rows = over["rows"]
+    assert {name: (r["where"], r["path_env"], r["path"]) for name, r in rows.items()} == {
+        "trainer node": ("the trainer's node", "auto", "shm"), "other node": ("another node", "auto", "stream"),
+        "other node, store": ("another node", "store", "object store")}  # fmt: skip
+    for figs, path in [(over["process"], "process")] + [(r, r["path"]) for r in rows.values()]:
+        assert len(figs["rounds"]) == res["params"]["rounds"]
+        for rec in figs["rounds"]:
+            assert rec["worker_paths"] == [path, path]
             assert rec["batch_bytes"] == over["batch_bytes"] and rec["bytes_per_s"] > 0
             assert rec["main_cpu_s_per_batch"] > 0 and rec["actors_left"] == 0
-    assert over["vs"]["throughput"]["median"] > 0 and over["vs"]["main_cpu"]["median"] > 0
+    for r in rows.values():
+        assert r["vs"]["throughput"]["median"] > 0 and r["vs"]["main_cpu"]["median"] > 0
     receive = res["receive"]
     assert receive["batches_per_s"]["median"] > 0 and receive["batch_bytes"] == 64 * 3 * 64 * 64
+    assert receive["worker_paths"] == ["stream"] * receive["actors"]  # the other nodes' actors, path auto
     rows = res["scaling"]["rows"]
     assert [r["actors"] for r in rows] == res["params"]["actors"]
     t_batch = res["scaling"]["t_batch_s"]
@@ -80,6 +93,7 @@ def test_quick_run_measures_every_part_on_a_loopback_cluster(quick_report):
     mixed = res["mixed"]
     assert set(mixed["loaders"]) == {"process 1", "process 1 + ray 1", "process 2"}
     assert set(mixed["vs"]) == {"process 1 + ray 1", "process 2"}
+    assert {rec["worker_paths"][1] for rec in mixed["loaders"]["process 1 + ray 1"]["rounds"]} == {"stream"}
 
 
 @needs_ray
@@ -98,13 +112,16 @@ def test_quick_run_prints_its_tables_and_targets_read_them(quick_report):
     for every actor count up to 8."""
     rep, output = quick_report
     tables = report.markdown(rep, ["ray"])
-    assert '| worker_type="ray" |' in tables and "| ray / process |" in tables and "N / t_batch" in tables
-    assert "| process 1 + ray 1 |" in tables and tables in output
+    assert '| worker_type="process" | process |' in tables and '| worker_type="ray" on the trainer\'s node | shm |' \
+        in tables and '| worker_type="ray" on another node | stream |' in tables  # fmt: skip
+    assert '| worker_type="ray" on another node, FASTFEED_RAY_PATH=store | object store |' in tables
+    assert "N / t_batch" in tables and "| process 1 + ray 1 |" in tables and tables in output
     assert not TARGET.search(tables) and not TARGET.search(output)
     found = {c.where for c in targets.checks(rep)}
     assert found == {f"ray scaling {n} actors" for n in rep["workloads"]["ray"]["result"]["params"]["actors"]}
     keys = {(r["key"], r["figure"]) for r in report.figure_rows(rep)}
-    assert ("overhead ray/process", "throughput") in keys and ("overhead ray/process", "main_cpu_s") in keys
+    for path in ("shm", "stream", "object store"):
+        assert {(f"overhead ray {path}/process", "throughput"), (f"overhead ray {path}/process", "main_cpu_s")} <= keys
 
 
 @needs_ray
@@ -167,33 +184,54 @@ def _row(n: int, ratio: float, t_batch: float = 0.1) -> dict:
             "capped": False, "batches_per_s": _stats(ratio * n / t_batch), "vs_capped": _stats(ratio)}
 
 
+def _paths_row(where: str, env: str, path: str, gb: float, cpu_ms: float, vs: float) -> dict:
+    return {"where": where, "path_env": env, "path": path, "gb_per_s": _stats(gb), "main_cpu_ms_per_batch":
+            _stats(cpu_ms), "ttfb_s": 1.2, "rounds": [{"worker_paths": [path, path]}] * 2,
+            "vs": {"throughput": _stats(vs, vs - 0.1, vs + 0.1), "main_cpu": _stats(cpu_ms)}}  # over 1 ms a batch
+
+
 def test_markdown_rows_and_targets_of_a_ray_result():
-    """The tables and CSV rows of a ray result, and the scaling target read for 1-8 actors only (16 is reported,
-    not held to it): a ratio under 0.8x at 8 actors is missed."""
+    """The tables and CSV rows of a ray result (a row per path, naming the path its workers took), and the scaling
+    target read for 1-8 actors only (16 is reported, not held to it): a ratio under 0.8x at 8 actors is missed."""
     res = {
         "workload": "ray",
         "overhead": {"batch_bytes": 9633792, "num_workers": 2,
                      "process": {"gb_per_s": _stats(3.0, 2.5, 3.5), "main_cpu_ms_per_batch": _stats(1.0),
-                                 "ttfb_s": 0.05},
-                     "ray": {"gb_per_s": _stats(1.5), "main_cpu_ms_per_batch": _stats(4.0), "ttfb_s": 1.2},
-                     "vs": {"throughput": _stats(0.5, 0.4, 0.6), "main_cpu": _stats(4.0, 3.0, 5.0)}},
-        "receive": {"actors": 8, "batch_bytes": 786432, "batches_per_s": _stats(400.0), "gb_per_s": _stats(0.31)},
-        "scaling": {"t_batch_s": 0.1, "rows": [_row(1, 0.95), _row(8, 0.7), _row(16, 0.5)]},
+                                 "ttfb_s": 0.05, "rounds": [{"worker_paths": ["process", "process"]}] * 2},
+                     "rows": {"trainer node": _paths_row("the trainer's node", "auto", "shm", 2.7, 0.5, 0.9),
+                              "other node": _paths_row("another node", "auto", "stream", 1.8, 2.0, 0.6),
+                              "other node, store": _paths_row("another node", "store", "object store", 0.6, 5.0,
+                                                              0.2)}},  # fmt: skip
+        "receive": {"actors": 8, "batch_bytes": 786432, "batches_per_s": _stats(400.0), "gb_per_s": _stats(0.31),
+                    "worker_paths": ["stream"] * 8},
+        "scaling": {"t_batch_s": 0.1, "rows": [dict(_row(n, r), worker_paths=["stream"] * n)
+                                               for n, r in ((1, 0.95), (8, 0.7), (16, 0.5))]},  # fmt: skip
         "mixed": {"local": 1, "t_batch_s": 0.032, "machine_cores": 2,
-                  "loaders": {"process 1": {"batches_per_s": _stats(30.0)},
-                              "process 1 + ray 1": {"batches_per_s": _stats(45.0)}},
+                  "loaders": {"process 1": {"batches_per_s": _stats(30.0),
+                                            "rounds": [{"worker_paths": ["process"]}]},
+                              "process 1 + ray 1": {"batches_per_s": _stats(45.0),
+                                                    "rounds": [{"worker_paths": ["process", "stream"]}]}},
                   "vs": {"process 1 + ray 1": _stats(1.5)}},
         "actors_left": 0, "left_behind": {"procs": 0, "shm": []},
     }
     rep = {"schema": report.SCHEMA, "workloads": {"ray": {"kind": "ray", "result": res}}}
     text = report.markdown(rep)
-    assert '| worker_type="process" | 3.00 (2.50-3.50) | 1.00 (1.00-1.00) ms | 50 ms |' in text
-    assert "| ray / process | **0.50x** (0.40-0.60) | **4.00x** (3.00-5.00) | - |" in text
+    assert '| worker_type="process" | process | 3.00 (2.50-3.50) | - | 1.00 (1.00-1.00) ms | - | 50 ms |' in text
+    assert ('| worker_type="ray" on the trainer\'s node | shm | 2.70 (2.70-2.70) | **0.90x** (0.80-1.00) | '
+            "0.50 (0.50-0.50) ms | **0.50x** (0.50-0.50) | 1,200 ms |") in text
+    assert '| worker_type="ray" on another node | stream | 1.80 (1.80-1.80) | **0.60x** (0.50-0.70) |' in text
+    assert ('| worker_type="ray" on another node, FASTFEED_RAY_PATH=store | object store | 0.60 (0.60-0.60) | '
+            "**0.20x** (0.10-0.30) |") in text
+    assert "from 8 actors (path stream) with no cost per sample" in text
+    assert "| actors (t_batch 100 ms, path stream) |" in text and "2 cores, actors path stream) |" in text
     assert "| 8 | 56.0 (56.0-56.0) | 80.0 | **0.70x** (0.70-0.70) |" in text
     assert "| process 1 + ray 1 | 45.0 (45.0-45.0) | **1.50x** (1.50-1.50) |" in text
     assert "0 actors, 0 processes, 0 /dev/shm entries" in text and not TARGET.search(text)
-    rows = {(r["key"], r["figure"]): r["median"] for r in report.figure_rows(rep)}
-    assert rows[("overhead ray/process", "throughput")] == 0.5 and rows[("overhead ray/process", "main_cpu_s")] == 4
+    rows = {(r["key"], r["figure"]): (r["median"], r["numerator"], r["denominator"]) for r in report.figure_rows(rep)}
+    assert rows[("overhead ray shm/process", "throughput")] == (0.9, 2.7, 3.0)
+    assert rows[("overhead ray stream/process", "main_cpu_s")] == (2.0, 2.0, 1.0)
+    assert rows[("overhead ray object store/process", "throughput")] == (0.2, 0.6, 3.0)
+    rows = {key: median for key, (median, _, _) in rows.items()}
     assert rows[("scaling 16 actors", "throughput_vs_ideal")] == 0.5
     assert rows[("mixed process 1 + ray 1 / process 1", "throughput")] == 1.5
     assert {(c.where, c.ok) for c in targets.checks(rep)} == {("ray scaling 1 actors", True),
@@ -201,3 +239,64 @@ def test_markdown_rows_and_targets_of_a_ray_result():
     assert {(c.where, c.ok) for c in targets.checks(res)} == {("ray scaling 1 actors", True),
                                                               ("ray scaling 8 actors", False)}  # fmt: skip
     json.dumps(res)
+
+
+def test_a_report_from_before_the_paths_still_reads():
+    """A committed report with one Ray row (the object store, no paths recorded) renders and compares as before."""
+    over = {"batch_bytes": 9633792, "num_workers": 2,
+            "process": {"gb_per_s": _stats(3.0), "main_cpu_ms_per_batch": _stats(1.0), "ttfb_s": 0.05},
+            "ray": {"gb_per_s": _stats(1.5), "main_cpu_ms_per_batch": _stats(4.0), "ttfb_s": 1.2},
+            "vs": {"throughput": _stats(0.5, 0.4, 0.6), "main_cpu": _stats(4.0, 3.0, 5.0)}}  # fmt: skip
+    rep = {"schema": report.SCHEMA, "workloads": {"ray": {"kind": "ray", "result": {"overhead": over}}}}
+    text = report.markdown(rep)
+    assert '| worker_type="ray" | - | 1.50 (1.50-1.50) | **0.50x** (0.40-0.60) | 4.00 (4.00-4.00) ms |' in text
+    rows = {(r["key"], r["figure"]): r["median"] for r in report.figure_rows(rep)}
+    assert rows == {("overhead ray/process", "throughput"): 0.5, ("overhead ray/process", "main_cpu_s"): 4.0}
+
+
+class _FakeLoader:
+    """Stands in for a loader in ``steady``: notes FASTFEED_RAY_PATH when its iterator starts, as a Ray pool reads
+    it, and reports the paths it was built with."""
+
+    def __init__(self, paths):
+        self.paths, self.env_at_iter = paths, "unread"
+
+    def __iter__(self):
+        self.env_at_iter = os.environ.get(suite.PATH_ENV)
+        return iter([torch.zeros(4, dtype=torch.uint8)] * 8)
+
+    def stats(self):
+        return types.SimpleNamespace(worker_paths=self.paths)
+
+
+def test_noted_trial_forces_the_path_while_the_pool_starts_and_records_the_paths(monkeypatch):
+    """The loader's iterator starts under FASTFEED_RAY_PATH as the row asks ("auto" overrides one set outside), the
+    variable is put back afterwards, and the record holds the paths the workers took, read after the timed
+    window."""
+    from fastfeed.bench.suites import ray_trials
+
+    monkeypatch.setattr(ray_trials, "wait_actors_gone", lambda: 0)
+    monkeypatch.setenv(suite.PATH_ENV, "shm")
+    made = []
+    rec = suite.noted_trial(lambda: made.append(_FakeLoader(("stream", "stream"))) or made[-1], "auto", 2, 3)
+    assert made[0].env_at_iter == "auto" and os.environ[suite.PATH_ENV] == "shm"
+    assert rec["worker_paths"] == ["stream", "stream"] and rec["windows"][0]["batch_bytes"] == 4
+    monkeypatch.delenv(suite.PATH_ENV)
+    rec = suite.noted_trial(lambda: made.append(_FakeLoader(())) or made[-1], "store", 2, 3)
+    assert made[1].env_at_iter == "store" and suite.PATH_ENV not in os.environ
+    assert rec["worker_paths"] == []  # FASTFEED_STATS=0: nothing recorded, which the overhead part refuses
+
+
+def test_a_row_whose_workers_took_another_path_stops_the_overhead_part(monkeypatch):
+    """An overhead row whose workers fell back (here the other node's, to the object store) is not measured under
+    its name: the part raises, naming the row and the paths taken."""
+    taken = iter([["process"] * 2, ["shm"] * 2, ["object store"] * 2])  # the sides in the first round's order
+
+    def trial(make, env, warmup, batches, windows=1):
+        return {"ttfb_s": 0.1, "actors_left": 0, "worker_paths": next(taken),
+                "windows": [{"bytes_per_s": 1e9, "main_cpu_s_per_batch": 1e-3}]}
+
+    monkeypatch.setattr(suite, "noted_trial", trial)
+    args = types.SimpleNamespace(warmup=1, batches=1, pool_items=1, rounds=1)
+    with pytest.raises(RuntimeError, match=r"'other node' \(FASTFEED_RAY_PATH=auto\).*'object store'.*not 'stream'"):
+        suite.overhead_part(args, say=lambda *a: None)

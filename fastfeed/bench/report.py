@@ -338,16 +338,37 @@ def shards_markdown(res: dict) -> str:
 # --- ray ---------------------------------------------------------------------------------------------------------
 
 
+def _overhead_rows(over: dict):
+    """The overhead part's Ray rows: ``(key, label, figures)``; figures hold their ``vs`` the same round's processes.
+
+    One row per path (``rows``, keyed ``overhead ray <path>/process``); a report from before the paths has one Ray
+    row, through the object store (``ray``, keyed ``overhead ray/process``), which still reads."""
+    if "rows" not in over:
+        yield "overhead ray/process", 'worker_type="ray"', dict(over["ray"], vs=over["vs"])
+        return
+    for row in over["rows"].values():
+        env = row.get("path_env", "auto")
+        label = f'worker_type="ray" on {row["where"]}' + ("" if env == "auto" else f", FASTFEED_RAY_PATH={env}")
+        yield f"overhead ray {row['path']}/process", label, row
+
+
+def _taken(recs) -> str:
+    """The paths the workers of ``recs`` (trial records) took, each once in order; "-" where none was recorded."""
+    return ", ".join(dict.fromkeys(p for rec in recs for p in rec.get("worker_paths", ()))) or "-"
+
+
 def _ray_rows(name: str, res: dict):
-    """The ray workload's figures: Ray actors over worker processes (GB/s, loop CPU per batch), each actor count's
-    batches/s over its ideal (capped by the receive rate), and local plus remote over local alone."""
+    """The ray workload's figures: Ray actors on each path over worker processes (GB/s, loop CPU per batch), each
+    actor count's batches/s over its ideal (capped by the receive rate), and local plus remote over local alone."""
     over = res.get("overhead")
     if over:
-        for fig, key, unit in (("throughput", "gb_per_s", "GB/s"), ("main_cpu_s", "main_cpu_ms_per_batch", "ms")):
-            st = over["vs"]["throughput" if fig == "throughput" else "main_cpu"]
-            yield dict(workload=name, key="overhead ray/process", figure=fig, median=st["median"], min=st["min"],
-                       max=st["max"], numerator=over["ray"][key]["median"], denominator=over["process"][key]["median"],
-                       unit=unit)  # fmt: skip
+        for key, _, figs in _overhead_rows(over):
+            for fig, field, unit in (("throughput", "gb_per_s", "GB/s"),
+                                     ("main_cpu_s", "main_cpu_ms_per_batch", "ms")):  # fmt: skip
+                st = figs["vs"]["throughput" if fig == "throughput" else "main_cpu"]
+                yield dict(workload=name, key=key, figure=fig, median=st["median"], min=st["min"], max=st["max"],
+                           numerator=figs[field]["median"], denominator=over["process"][field]["median"],
+                           unit=unit)  # fmt: skip
     for row in (res.get("scaling") or {}).get("rows", []):
         st = row["vs_capped"]
         yield dict(workload=name, key=f"scaling {row['actors']} actors", figure="throughput_vs_ideal",
@@ -367,27 +388,34 @@ def _range(st: dict, scale: float = 1.0, digits: int = 2) -> str:
 
 
 def ray_markdown(res: dict) -> str:
-    """The ray workload's tables: transport through actors against processes, scaling against the ideal, mixed."""
+    """The ray workload's tables: transport through actors on each path against processes, scaling against the
+    ideal, mixed."""
     lines = ["**ray**"]
     over = res.get("overhead")
     if over:
-        lines += ["", f"| {fmt(over['batch_bytes'] / 1e6)} MB batches, nw={over['num_workers']} | GB/s | "
-                  "loop CPU per batch | first batch |", "|---|---|---|---|"]  # fmt: skip
-        for side, label in (("process", 'worker_type="process"'), ("ray", 'worker_type="ray"')):
-            figs = over[side]
-            lines.append(f"| {label} | {_range(figs['gb_per_s'])} | {_range(figs['main_cpu_ms_per_batch'])} ms | "
-                         f"{fmt(figs['ttfb_s'] * 1e3)} ms |")
-        lines.append(f"| ray / process | {_ratio(over['vs']['throughput'], bold=True)} | "
-                     f"{_ratio(over['vs']['main_cpu'], bold=True)} | - |")
+        # A worker's path is what stats().worker_paths said in each round, not what the row asked for.
+        lines += ["", f"| {fmt(over['batch_bytes'] / 1e6)} MB batches, nw={over['num_workers']} | path | GB/s | "
+                  "/ process | loop CPU per batch | / process | first batch |", "|---|---|---|---|---|---|---|"]
+        figs = over["process"]
+        lines.append(f'| worker_type="process" | {_taken(figs.get("rounds", ()))} | '
+                     f"{_range(figs['gb_per_s'])} | - | {_range(figs['main_cpu_ms_per_batch'])} ms | - | "
+                     f"{fmt(figs['ttfb_s'] * 1e3)} ms |")
+        for _, label, figs in _overhead_rows(over):
+            lines.append(f"| {label} | {_taken(figs.get('rounds', ()))} | {_range(figs['gb_per_s'])} | "
+                         f"{_ratio(figs['vs']['throughput'], bold=True)} | {_range(figs['main_cpu_ms_per_batch'])} ms"
+                         f" | {_ratio(figs['vs']['main_cpu'], bold=True)} | {fmt(figs['ttfb_s'] * 1e3)} ms |")
     rec = res.get("receive")
     if rec:
+        taken = _taken([rec])
         lines += ["", f"The loop receives {_range(rec['batches_per_s'], digits=1)} batches/s "
                   f"({_range(rec['gb_per_s'], digits=3)} GB/s) of {fmt(rec['batch_bytes'] / 1e6)} MB from "
-                  f"{rec['actors']} actors with no cost per sample."]  # fmt: skip
+                  f"{rec['actors']} actors{'' if taken == '-' else f' (path {taken})'} with no cost per sample."]
     scaling = res.get("scaling")
     if scaling and scaling["rows"]:
-        lines += ["", f"| actors (t_batch {fmt(scaling['t_batch_s'] * 1e3)} ms) | batches/s | ideal N / t_batch | "
-                  "measured / ideal (capped by the receive rate) |", "|---|---|---|---|"]  # fmt: skip
+        taken = _taken(scaling["rows"])
+        taken = "" if taken == "-" else f", path {taken}"
+        lines += ["", f"| actors (t_batch {fmt(scaling['t_batch_s'] * 1e3)} ms{taken}) | batches/s | ideal N / t_batch"
+                  " | measured / ideal (capped by the receive rate) |", "|---|---|---|---|"]  # fmt: skip
         for row in scaling["rows"]:
             ideal = f"{row['ideal_batches_per_s']:.1f}" + (f" (capped {row['capped_ideal_batches_per_s']:.1f})"
                                                             if row["capped"] else "")  # fmt: skip
@@ -396,9 +424,12 @@ def ray_markdown(res: dict) -> str:
     mixed = res.get("mixed")
     if mixed:
         cpu = mixed.get("cpu_s_per_batch")
+        rows = [r for figs in mixed["loaders"].values() for r in figs.get("rounds", ())]
+        actors = ", ".join(p for p in _taken(rows).split(", ") if p not in ("-", "process"))
         lines += ["", f"| CPU-bound ({fmt(cpu * 1e3) + ' ms of CPU a batch, ' if cpu else ''}t_batch "
-                  f"{fmt(mixed['t_batch_s'] * 1e3)} ms, {mixed['machine_cores']} cores) | batches/s | "
-                  f"/ process {mixed['local']} |", "|---|---|---|"]  # fmt: skip
+                  f"{fmt(mixed['t_batch_s'] * 1e3)} ms, {mixed['machine_cores']} cores"
+                  f"{f', actors path {actors}' if actors else ''}) | batches/s | / process {mixed['local']} |",
+                  "|---|---|---|"]  # fmt: skip
         for side, figs in mixed["loaders"].items():
             vs = mixed["vs"].get(side)
             lines.append(f"| {side} | {_range(figs['batches_per_s'], digits=1)} | "

@@ -1,17 +1,25 @@
-"""Ray workers: what a batch costs through Ray actors, how the actors scale, and local plus remote together.
+"""Ray workers: what a batch costs through Ray actors on each of their paths, how the actors scale, and local plus
+remote together.
 
 Everything runs on a local fake cluster the suite starts itself (``ray.cluster_utils.Cluster`` with
-RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, so every node talks over 127.0.0.1): a head with no CPUs, where this
-process (the loop) is the driver, and --nodes worker nodes of --node-cpus declared CPUs each (more than the
-machine's cores: a sleeping actor needs none). Every actor therefore runs on a node other than the loop's, and its
-batches cross from that node's object store to the head's, as from a remote CPU node (over loopback, not a
-network). The cluster is shut down at the end; the result says how many actors, processes and /dev/shm entries
-were left behind (none expected).
+RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, so every node talks over 127.0.0.1): a head with no CPUs but a resource of its
+own ("trainer_node"), where this process (the loop) is the driver, as on a training node, and --nodes worker nodes
+of --node-cpus declared CPUs each (more than the machine's cores: a sleeping actor needs none). An actor lands on
+the head only by asking for its resource; every other one runs on a node other than the loop's, as on a remote CPU
+node (over loopback, not a network). A batch takes one of three paths to the loader's ring, chosen per actor
+(fastfeed/_workers/ray_actor.py): "shm" (an actor on the loop's node writes into a ring slot), "stream" (another
+node's sends its bytes over TCP, read straight into a slot), "object store" (returned through Ray's object store,
+then copied into a slot). The cluster is shut down at the end; the result says how many actors, processes and
+/dev/shm entries were left behind (none expected).
   overhead  64 uint8 images of 3x224x224 per batch (9.6 MB, as transport.py; a pool of --pool-items images,
-            each actor making its own pool from the dataset's spec, not receiving it), worker_type="ray" against
-            worker_type="process", both num_workers=2; per round one fresh loader of each, in alternating order,
-            --warmup untimed batches, then --batches timed: GB/s, and the loop's CPU per batch (this process,
-            every thread: Ray's driver threads are the loop's cost too). Medians over rounds, min-max.
+            each actor making its own pool from the dataset's spec, not receiving it), num_workers=2 of: processes
+            (worker_type="process"); Ray actors on the loop's node (the head's resource; path auto: shm); on
+            another node (auto: stream); on another node with FASTFEED_RAY_PATH=store (the object store, the
+            fallback). Per round one fresh loader of each, each in every place of the order in turn, --warmup
+            untimed batches, then --batches timed: GB/s, and the loop's CPU per batch (this process, every thread:
+            Ray's driver threads and the stream's reader are the loop's cost too); each Ray row over the same
+            round's processes. Medians over rounds, min-max. The path every worker took (stats().worker_paths) is
+            recorded, and one that is not its row's stops the run: no row measures another path under its name.
   receive   the rate at which the loop can receive: the scaling batches (64 uint8 of --scale-shape) with no
             cost, from --receive-actors actors: batches/s and GB/s, over --windows timed windows.
   scaling   the same batches, each sample costing a sleep (t_batch / 64: CPU work on a remote node, spent away
@@ -24,31 +32,35 @@ were left behind (none expected).
             worker_type="process" with L workers, and with L + R: interleaved rounds, batches/s. The actors run
             on this machine's cores too: on a 2-core machine, a remote actor's gain is the cores the local
             workers left idle, no more.
+  The receive, scaling and mixed parts' actors (all on the other nodes) take the path --path forces (default
+  auto: stream); each trial records the paths its workers took.
 
 Run: .venv/bin/python benchmarks/ray.py [--quick] [--rounds N] [--actors 1 2 4 8 16] [--parts ...] [--out DIR]
 (or fastfeed bench ray, which writes a report). Needs ray: pip install 'fastfeed[ray]'.
 
 Measured:
-  (2026-12-02, 2-core VM shared with other runs (load average 4-6), torch 2.13 CPU, ray 2.60.0, commit aada07e
-  (main 1561c6f merged), `.venv/bin/python benchmarks/ray.py`: 3 min 24 s; cluster up in 6.9 s)
-  overhead 9.6 MB nw=2  process 9.00 GB/s (8.34-9.34), loop CPU 0.20 ms/batch (0.15-0.21), first batch 42 ms
-                        ray     0.46 GB/s (0.33-0.48), loop CPU 6.25 ms/batch (5.29-6.86), first batch 2,986 ms
-                        ray / process: throughput 0.05x (0.04-0.06), loop CPU per batch 32.3x (25.8-38.4)
-  receive 0.79 MB, 8 actors  112.0 batches/s (107.6-121.5), 0.088 GB/s, loop CPU 4.9 ms/batch
-  scaling (t_batch 158 ms measured, 150 ms of sleep; no count reached the receive cap), measured / ideal:
-    1 actor 6.1 batches/s 0.97x (0.96-0.97)   2: 12.2, 0.96x (0.96-0.97)   4: 23.5, 0.92x (0.87-0.99)
-    8: 41.4, 0.81x (0.70-0.84)                16: 66.1 of 101.5, 0.65x (0.64-0.68)
-  mixed (rerun with --parts mixed at 80 batches a trial, 5 rounds; 32 ms of CPU a batch):
-    process 1 29.8 batches/s; process 1 + ray 1 28.1, 0.92x (0.86-1.50); process 2 49.9, 1.64x (1.16-1.90).
-    Here the actor shares the 2 cores with the local worker, the loop and the fake cluster's own processes (three
-    raylets, the GCS, their object stores): the core a second process puts to use, the actor mostly did not (the
-    cause is not measured: a remote CPU node brings its own cores and its own Ray processes).
+  (2026-12-04, 2-core VM, no other run during it but one process at 22% CPU for one 2-second sample, torch 2.13
+  CPU, ray 2.60.0, commit 57e4265 with the Ray paths change uncommitted, `fastfeed bench ray --out DIR`: 3 min 5 s
+  to the report; cluster up in 4.4 s; docs/bench/ray.json)
+  overhead 9.6 MB nw=2        GB/s                / process           loop CPU ms/batch   / process  first batch
+    process                   10.05 (8.76-10.79)  -                   0.15 (0.13-0.18)    -          39 ms
+    ray, loop's node (shm)     5.80 (3.62-6.56)   0.56x (0.34-0.75)   0.89 (0.75-1.46)    6.3x       2,160 ms
+    ray, other node (stream)   1.97 (1.75-2.05)   0.20x (0.16-0.23)   3.88 (3.52-3.98)    25.8x      2,218 ms
+    ray, other node, store     0.64 (0.46-0.67)   0.06x (0.05-0.07)   4.20 (4.03-4.89)    30.5x      2,170 ms
+  receive 0.79 MB, 8 actors (stream)  525.5 batches/s (491.4-580.2), 0.413 GB/s
+  scaling (t_batch 161 ms measured, 150 ms of sleep; stream; no count reached the receive cap), measured / ideal:
+    1 actor 6.3 batches/s 1.02x   2: 12.8, 1.03x   4: 26.3, 1.06x   8: 52.8, 1.06x   16: 96.1 of 99.3, 0.97x
+  mixed (32 ms of CPU a batch): process 1 30.8 batches/s; process 1 + ray 1 (stream) 54.6, 1.77x (1.72-1.79);
+    process 2 57.8, 1.88x (1.86-1.91).
   Left behind: 0 actors, 0 processes, 0 /dev/shm entries.
+  The run before it (same day, other tests running through its last parts) measured overhead within these ranges:
+  shm 0.46x at 0.94 ms, stream 0.18x at 3.85 ms, store 0.06x at 4.18 ms.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -59,39 +71,110 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import extras, workloads
-from .ray_cluster import LocalCluster, wait_actors_gone
+from .ray_cluster import TRAINER_RESOURCE, LocalCluster, wait_actors_gone
 from .ray_trials import BATCH, Costly, batch_seconds, new_loader, stats, steady
 
 OVERHEAD_WORKERS = 2
 PARTS = ("overhead", "receive", "scaling", "mixed")
 SCALING_ACTOR_CPUS = 0.5
+TRAINER_SLOTS = 8  # the head's TRAINER_RESOURCE: room for the 2 actors of one overhead loader, and spares
+PATH_ENV = "FASTFEED_RAY_PATH"  # read by the loader's Ray pool as it starts (fastfeed/_workers/ray_pool.py)
+# The overhead part's Ray rows: (name, FASTFEED_RAY_PATH, ray_options, the path every worker must take, where). The
+# trainer node's actors ask for the head's resource (no CPUs: the head has none); the others ask for a CPU, which
+# only the other nodes have. The path each row's workers took is checked, so a row that fell back (a stream that
+# could not connect, say) fails the run instead of being measured under the wrong name.
+OVERHEAD_ROWS = (
+    ("trainer node", "auto", {"num_cpus": 0, "resources": {TRAINER_RESOURCE: 1}}, "shm", "the trainer's node"),
+    ("other node", "auto", {"num_cpus": 1}, "stream", "another node"),
+    ("other node, store", "store", {"num_cpus": 1}, "object store", "another node"),
+)
 
 # --- the parts ------------------------------------------------------------------------------------------------------
 
 
+class _Noted:
+    """A loader handed to ``steady`` that notes, as ``steady`` lets go of it (after its timed windows), the path
+    each worker's batches took (``stats().worker_paths``). ``iter()`` is the loader's own: the timed loop runs the
+    loader's iterator, unwrapped, so the noting costs it nothing."""
+
+    def __init__(self, loader, into: list):
+        self.loader, self.into = loader, into
+
+    def __iter__(self):
+        return iter(self.loader)
+
+    def __del__(self):
+        try:
+            self.into.append(tuple(self.loader.stats().worker_paths))
+        finally:
+            self.loader = None
+
+
+@contextlib.contextmanager
+def _path_env(value: str):
+    """``FASTFEED_RAY_PATH=value`` while a trial's loader starts its pool; "auto" also overrides one set outside."""
+    was = os.environ.get(PATH_ENV)
+    os.environ[PATH_ENV] = value
+    try:
+        yield
+    finally:
+        if was is None:
+            os.environ.pop(PATH_ENV, None)
+        else:
+            os.environ[PATH_ENV] = was
+
+
+def noted_trial(make_loader: Callable[[], Any], path_env: str, warmup: int, batches: int, windows: int = 1):
+    """``steady`` over a fresh loader, started with ``FASTFEED_RAY_PATH=path_env``; the record gets its workers'
+    paths (empty where FASTFEED_STATS=0 turned stats off)."""
+    paths: list[tuple] = []
+    with _path_env(path_env):
+        rec = steady(lambda: _Noted(make_loader(), paths), warmup, batches, windows)
+    rec["worker_paths"] = list(paths[0]) if paths else []
+    return rec
+
+
+def _paths(rec: dict) -> str:
+    """The paths a trial's workers took, each once, in order: "stream", or "process, stream"."""
+    return ", ".join(dict.fromkeys(rec["worker_paths"])) or "paths not recorded"
+
+
 def overhead_part(args, say: Callable = print) -> dict:
-    """9.6 MB batches through 2 Ray actors against 2 worker processes, interleaved rounds."""
+    """9.6 MB batches through 2 Ray actors on each path against 2 worker processes, interleaved rounds."""
     n = args.warmup + args.batches
     ds = Costly(n * BATCH, workloads.IMAGE_SHAPE, args.pool_items)
-    sides = {"process": lambda: new_loader(ds, "process", OVERHEAD_WORKERS),
-             "ray": lambda: new_loader(ds, "ray", OVERHEAD_WORKERS)}  # fmt: skip
-    runs: dict[str, list[dict]] = {k: [] for k in sides}
+    sides: dict[str, tuple] = {"process": (lambda: new_loader(ds, "process", OVERHEAD_WORKERS), "auto", "process")}
+    for name, env, options, path, _ in OVERHEAD_ROWS:
+        sides[name] = (lambda o=options: new_loader(ds, "ray", OVERHEAD_WORKERS, ray_options=o), env, path)
+    names = list(sides)
+    runs: dict[str, list[dict]] = {k: [] for k in names}
     for r in range(args.rounds):
-        for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
-            rec = steady(sides[name], args.warmup, args.batches)
+        for name in names[r % len(names):] + names[:r % len(names)]:  # each side in each place in turn
+            make, env, path = sides[name]
+            rec = noted_trial(make, env, args.warmup, args.batches)
+            if rec["worker_paths"] != [path] * OVERHEAD_WORKERS:
+                raise RuntimeError(
+                    f"ray overhead {name!r} (FASTFEED_RAY_PATH={env}): the workers took the paths "
+                    f"{rec['worker_paths'] or '(none recorded: is FASTFEED_STATS=0?)'}, not {path!r} each; the "
+                    "fastfeed logger says why a worker fell back")  # fmt: skip
             win = rec.pop("windows")[0]
             runs[name].append(dict(rec, **win, round=r))
-            say(f"  ray overhead round {r + 1}: {name:8} {win['bytes_per_s'] / 1e9:6.2f} GB/s, loop CPU "
+            say(f"  ray overhead round {r + 1}: {name:17} {path:12} {win['bytes_per_s'] / 1e9:6.2f} GB/s, loop CPU "
                 f"{win['main_cpu_s_per_batch'] * 1e3:6.2f} ms/batch, first batch {rec['ttfb_s'] * 1e3:6.0f} ms")
     out: dict[str, Any] = {"batch_bytes": BATCH * workloads.IMAGE_BYTES, "num_workers": OVERHEAD_WORKERS,
-                           "pool_mb": round(args.pool_items * workloads.IMAGE_BYTES / 1e6, 1)}
+                           "pool_mb": round(args.pool_items * workloads.IMAGE_BYTES / 1e6, 1), "rows": {}}
     for name, recs in runs.items():
-        out[name] = {"gb_per_s": stats([x["bytes_per_s"] / 1e9 for x in recs]),
-                     "main_cpu_ms_per_batch": stats([x["main_cpu_s_per_batch"] * 1e3 for x in recs]),
-                     "ttfb_s": statistics.median(x["ttfb_s"] for x in recs), "rounds": recs}  # fmt: skip
-    pairs = list(zip(runs["ray"], runs["process"]))
-    out["vs"] = {"throughput": stats([a["bytes_per_s"] / b["bytes_per_s"] for a, b in pairs]),
-                 "main_cpu": stats([a["main_cpu_s_per_batch"] / b["main_cpu_s_per_batch"] for a, b in pairs])}
+        figs = {"gb_per_s": stats([x["bytes_per_s"] / 1e9 for x in recs]),
+                "main_cpu_ms_per_batch": stats([x["main_cpu_s_per_batch"] * 1e3 for x in recs]),
+                "ttfb_s": statistics.median(x["ttfb_s"] for x in recs), "rounds": recs}  # fmt: skip
+        if name == "process":
+            out["process"] = figs
+            continue
+        _, env, options, path, where = next(row for row in OVERHEAD_ROWS if row[0] == name)
+        pairs = list(zip(recs, runs["process"]))  # the same round's process loader
+        figs["vs"] = {"throughput": stats([a["bytes_per_s"] / b["bytes_per_s"] for a, b in pairs]),
+                      "main_cpu": stats([a["main_cpu_s_per_batch"] / b["main_cpu_s_per_batch"] for a, b in pairs])}
+        out["rows"][name] = dict(where=where, path=path, path_env=env, ray_options=options, **figs)
     return out
 
 
@@ -105,13 +188,13 @@ def receive_part(args, say: Callable = print) -> dict:
     batches = args.receive_batches
     warmup = 2 * n_actors
     ds = _scale_ds(args, (warmup + batches * args.windows) * BATCH, 0.0)
-    rec = steady(lambda: new_loader(ds, "ray", n_actors, ray_options={"num_cpus": SCALING_ACTOR_CPUS}), warmup,
-                 batches, args.windows)  # fmt: skip
+    rec = noted_trial(lambda: new_loader(ds, "ray", n_actors, ray_options={"num_cpus": SCALING_ACTOR_CPUS}),
+                      args.path, warmup, batches, args.windows)  # fmt: skip
     wins = rec.pop("windows")
     for w in wins:
-        say(f"  ray receive {n_actors} actors: {w['batches_per_s']:7.1f} batches/s, "
+        say(f"  ray receive {n_actors} actors ({_paths(rec)}): {w['batches_per_s']:7.1f} batches/s, "
             f"{w['bytes_per_s'] / 1e9:6.3f} GB/s, loop CPU {w['main_cpu_s_per_batch'] * 1e3:5.2f} ms/batch")
-    return dict(rec, actors=n_actors, batch_bytes=wins[0]["batch_bytes"],
+    return dict(rec, actors=n_actors, batch_bytes=wins[0]["batch_bytes"], path_env=args.path,
                 batches_per_s=stats([w["batches_per_s"] for w in wins]),
                 gb_per_s=stats([w["bytes_per_s"] / 1e9 for w in wins]),
                 main_cpu_ms_per_batch=stats([w["main_cpu_s_per_batch"] * 1e3 for w in wins]), windows=wins)
@@ -132,8 +215,8 @@ def scaling_part(args, receive: dict | None, say: Callable = print) -> dict:
         per_window = max(4, math.ceil(args.window_s * capped))
         warmup = 2 * n + 2
         ds = _scale_ds(args, (warmup + per_window * args.windows) * BATCH, cost)
-        rec = steady(lambda: new_loader(ds, "ray", n, ray_options={"num_cpus": SCALING_ACTOR_CPUS}), warmup,
-                     per_window, args.windows)  # fmt: skip
+        rec = noted_trial(lambda: new_loader(ds, "ray", n, ray_options={"num_cpus": SCALING_ACTOR_CPUS}),
+                          args.path, warmup, per_window, args.windows)  # fmt: skip
         wins = rec.pop("windows")
         row = dict(rec, actors=n, ideal_batches_per_s=ideal, capped_ideal_batches_per_s=capped,
                    capped=bool(cap and cap < ideal), batches_per_window=per_window,
@@ -142,10 +225,11 @@ def scaling_part(args, receive: dict | None, say: Callable = print) -> dict:
                    vs_ideal=stats([w["batches_per_s"] / ideal for w in wins]),
                    vs_capped=stats([w["batches_per_s"] / capped for w in wins]), windows=wins)  # fmt: skip
         rows.append(row)
-        say(f"  ray scaling {n:2} actors: {row['batches_per_s']['median']:7.1f} batches/s, ideal {ideal:7.1f}"
-            f"{f' (capped {capped:.1f})' if row['capped'] else ''}: {row['vs_capped']['median']:.2f}x")
-    return {"t_batch_s": t_batch, "sleep_s_per_batch": args.t_batch, "batch_bytes": rows[0]["windows"][0]["batch_bytes"]
-            if rows else None, "receive_cap_batches_per_s": cap, "actor_cpus": SCALING_ACTOR_CPUS, "rows": rows}
+        say(f"  ray scaling {n:2} actors ({_paths(rec)}): {row['batches_per_s']['median']:7.1f} batches/s, ideal "
+            f"{ideal:7.1f}{f' (capped {capped:.1f})' if row['capped'] else ''}: {row['vs_capped']['median']:.2f}x")
+    return {"t_batch_s": t_batch, "sleep_s_per_batch": args.t_batch, "path_env": args.path,
+            "batch_bytes": rows[0]["windows"][0]["batch_bytes"] if rows else None, "receive_cap_batches_per_s": cap,
+            "actor_cpus": SCALING_ACTOR_CPUS, "rows": rows}
 
 
 def mixed_part(args, say: Callable = print) -> dict:
@@ -164,12 +248,12 @@ def mixed_part(args, say: Callable = print) -> dict:
     runs: dict[str, list[dict]] = {k: [] for k in names}
     for rnd in range(args.rounds):
         for name in names[rnd % len(names):] + names[:rnd % len(names)]:
-            rec = steady(sides[name], args.warmup, args.mixed_batches)
+            rec = noted_trial(sides[name], args.path, args.warmup, args.mixed_batches)
             win = rec.pop("windows")[0]
             runs[name].append(dict(rec, **win, round=rnd))
-            say(f"  ray mixed round {rnd + 1}: {name:18} {win['batches_per_s']:6.1f} batches/s")
+            say(f"  ray mixed round {rnd + 1}: {name:18} {win['batches_per_s']:6.1f} batches/s ({_paths(rec)})")
     out: dict[str, Any] = {"local": local, "remote": list(args.mixed_remote), "t_batch_s": t_batch,
-                           "cpu_s_per_batch": BATCH * cost, "spin_ms_per_sample": args.spin_ms,
+                           "path_env": args.path, "cpu_s_per_batch": BATCH * cost, "spin_ms_per_sample": args.spin_ms,
                            "machine_cores": os.cpu_count(), "loaders": {}, "vs": {}}  # fmt: skip
     for name, recs in runs.items():
         out["loaders"][name] = {"batches_per_s": stats([x["batches_per_s"] for x in recs]), "rounds": recs}
@@ -207,6 +291,9 @@ def _parse(argv) -> argparse.Namespace:
     p.add_argument("--mixed-batches", type=int, help="timed batches per mixed trial")
     p.add_argument("--mixed-shape", type=int, nargs="+", default=[3, 32, 32])
     p.add_argument("--spin-ms", type=float, default=0.5, help="CPU milliseconds per mixed sample")
+    p.add_argument("--path", default="auto", choices=("auto", "shm", "stream", "store"),
+                   help="FASTFEED_RAY_PATH of the receive, scaling and mixed parts' loaders (the overhead part "
+                   "measures each path on its own rows)")  # fmt: skip
     p.add_argument("--nodes", type=int, default=2, help="worker nodes of the local cluster")
     p.add_argument("--node-cpus", type=float, default=8, help="CPUs each node declares")
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
@@ -243,10 +330,14 @@ def main(argv=None) -> dict:
     result["params"].update(batch_size=BATCH, python=sys.version.split()[0])
     say(f"# ray: a local cluster of a CPU-less head and {args.nodes} nodes of {args.node_cpus:g} CPUs, on "
         f"{os.cpu_count()} cores; parts {', '.join(args.parts)}")
-    with LocalCluster(args.nodes, args.node_cpus) as cluster:
+    with LocalCluster(args.nodes, args.node_cpus, head_resources={TRAINER_RESOURCE: TRAINER_SLOTS}) as cluster:
         import ray
 
         result["cluster"] = cluster.describe()
+        head = [n["node_id"] for n in result["cluster"]["nodes"] if n["head"]]
+        if head != [result["cluster"]["driver_node"]]:  # Ray attaches a driver to the head of its host's nodes
+            raise RuntimeError(f"the loop runs on Ray node {result['cluster']['driver_node']}, not on the head "
+                               f"({head}): the overhead part's trainer-node actors would not be beside it")
         result["versions"] = {"ray": ray.__version__}
         say(f"# ray: cluster up in {cluster.start_s:.1f} s, {result['cluster']['cpus']:g} CPUs declared")
         if "overhead" in args.parts:

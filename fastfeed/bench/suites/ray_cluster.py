@@ -16,6 +16,10 @@ from ..accounting import process_tree, wait_for_exit
 
 CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 NODE_OBJECT_STORE = 1 << 30  # bytes per node: far above the batches in flight (16 actors x 2 x 0.8 MB)
+# The head's own resource: the head has no CPUs, so an actor lands on it (the loop's node, as on a training node)
+# only by asking for this, and every other actor, asking for CPUs, lands on another node.
+TRAINER_RESOURCE = "trainer_node"
+_STANDARD = ("CPU", "GPU", "memory", "object_store_memory")  # Ray's own resources: not a node's custom ones
 
 
 class LocalCluster:
@@ -24,10 +28,12 @@ class LocalCluster:
     Args:
         nodes: Worker nodes.
         node_cpus: CPUs each declares (may exceed the machine's cores).
+        head_resources: Custom resources of the head (``{TRAINER_RESOURCE: n}`` for actors placed beside the loop).
     """
 
-    def __init__(self, nodes: int, node_cpus: float):
+    def __init__(self, nodes: int, node_cpus: float, head_resources: dict | None = None):
         self.nodes, self.node_cpus = nodes, node_cpus
+        self.head_resources = dict(head_resources or {})
         self.cluster = None
         self.start_s = None
         self._env_was: str | None = None
@@ -55,8 +61,10 @@ class LocalCluster:
         self._shm_before = set(os.listdir("/dev/shm"))
         t0 = time.perf_counter()
         try:
-            self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0,
-                                                                         "object_store_memory": NODE_OBJECT_STORE})
+            head = {"num_cpus": 0, "object_store_memory": NODE_OBJECT_STORE}
+            if self.head_resources:
+                head["resources"] = self.head_resources
+            self.cluster = Cluster(initialize_head=True, head_node_args=head)
             for _ in range(self.nodes):
                 self.cluster.add_node(num_cpus=self.node_cpus, object_store_memory=NODE_OBJECT_STORE)
             ray.init(address=self.cluster.address, logging_level="warning")
@@ -93,14 +101,20 @@ class LocalCluster:
             os.environ[CLUSTER_ENV] = self._env_was
 
     def describe(self) -> dict:
-        """The cluster's nodes (as ``ray.nodes()`` gives them) and its CPUs, while it runs."""
+        """The cluster's nodes (as ``ray.nodes()`` gives them: CPUs, custom resources, whether the head), its CPUs
+        and the node this process (the loop, Ray's driver) runs on, while it runs."""
         import ray
 
-        nodes = [{"node_id": n["NodeID"], "address": n["NodeManagerAddress"],
-                  "cpus": float(n.get("Resources", {}).get("CPU", 0.0)), "alive": bool(n["Alive"])}
-                 for n in ray.nodes()]  # fmt: skip
+        nodes = []
+        for n in ray.nodes():
+            res = n.get("Resources", {})
+            custom = {k: float(v) for k, v in res.items() if k not in _STANDARD and not k.startswith("node:")}
+            nodes.append({"node_id": n["NodeID"], "address": n["NodeManagerAddress"],
+                          "cpus": float(res.get("CPU", 0.0)), "alive": bool(n["Alive"]),
+                          "head": "node:__internal_head__" in res, "resources": custom})  # fmt: skip
         return {"nodes": nodes, "cpus": sum(n["cpus"] for n in nodes if n["alive"]),
-                "start_s": self.start_s, "machine_cores": os.cpu_count()}
+                "driver_node": ray.get_runtime_context().get_node_id(), "start_s": self.start_s,
+                "machine_cores": os.cpu_count()}  # fmt: skip
 
     def watch(self) -> None:
         """Note the processes of this run now (this one, the nodes, their actors), whose /dev/shm entries count."""
