@@ -625,6 +625,7 @@ class RayPool:
         """Drop every owed answer; actors that owe nothing go back to the loader's spares, the others are killed
         (one may be stuck in the dataset, and the next epoch must not queue behind it)."""
         ray = self.ray
+        writing = []  # owed calls of killed actors that write into the ring themselves (the shm path)
         for w in self.workers:
             owed = [ref for msg, ref in w.pending if ref is not _LOCAL and msg is not _START]
             clean = not owed and ray.is_initialized()
@@ -632,12 +633,22 @@ class RayPool:
             if clean and self._spare is not None:
                 self._spare.give(self._key, w.actor, ray)
             else:
-                _kill(ray, w.actor)  # asynchronous: it may still be writing a batch
+                _kill(ray, w.actor)
                 if owed and self.paths.get(w.wid) == SHM:
-                    self.all_gone = False  # into a slot of the ring: the ring is closed, not taken over
+                    writing += owed
             w.actor = None
         self.workers = []
         self._spec_ref = None
+        if writing:
+            # ray.kill returns before the actor is gone, and until then it may write a slot or make a segment
+            # under the ring's name. Each owed call ends (with an error) once it is gone: only then is the ring
+            # free to be taken over, or its names swept with nothing made after the sweep.
+            try:
+                _, left = ray.wait(writing, num_returns=len(writing), timeout=grace)
+            except Exception:  # noqa: BLE001 (Ray shut down meanwhile: its processes are gone with it)
+                left = []
+            if left:
+                self.all_gone = False  # still writing: the ring is closed, not taken over
         if self._receiver is not None:
             self._receiver.close()
             self._receiver = None
