@@ -29,6 +29,7 @@ from fastfeed.io.shards import sources
 pytest.importorskip("aiohttp", reason="the HTTP tests need aiohttp (the [remote] extra)")
 from aiohttp import web  # noqa: E402
 
+from _remote import fast_backoff, fsspec_loop  # noqa: E402, F401 (autouse fixtures)
 from fastfeed.bench.http import FileServer, make_files  # noqa: E402
 from fastfeed.io.shards.cache import ShardCache  # noqa: E402
 from fastfeed.io.shards.fetch import Fetcher  # noqa: E402
@@ -117,20 +118,6 @@ def copy_to_file(fetcher: Fetcher, url: str, path: Path, size: int | None) -> tu
         return fetcher.copy(url, fd, size)
     finally:
         os.close(fd)
-
-
-@pytest.fixture(autouse=True)
-def fast_backoff(monkeypatch):
-    """Retries wait 10 ms, doubling: the policy's shape at a test's pace."""
-    monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def fsspec_loop():
-    """fsspec's event-loop thread lives as long as the process: start it before the first leak check."""
-    import fsspec.asyn
-
-    fsspec.asyn.get_loop()
 
 
 @pytest.fixture(scope="module")

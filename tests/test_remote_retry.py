@@ -25,8 +25,8 @@ from fastfeed.io import Files, ShardError, Shards
 pytest.importorskip("aiohttp", reason="the HTTP tests need aiohttp (the [remote] extra)")
 from aiohttp import web  # noqa: E402
 
+from _remote import fast_backoff, fsspec_loop  # noqa: E402, F401 (autouse fixtures)
 from fastfeed.bench.http import FileServer, make_files  # noqa: E402
-from fastfeed.io import remote  # noqa: E402
 from fastfeed.io.shards.cache import ShardCache  # noqa: E402
 
 pytestmark = pytest.mark.fastfeed_only
@@ -90,20 +90,6 @@ def checked(sample) -> int:
     i = int(sample["txt"])
     assert sample["cls"] == str(i % 3).encode() and sample["bin"] == bytes([i % 251]) * PAYLOAD, i
     return i
-
-
-@pytest.fixture(autouse=True)
-def fast_backoff(monkeypatch):
-    """Retries wait 10 ms, doubling: the policy's shape at a test's pace (forked workers inherit it)."""
-    monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def fsspec_loop():
-    """fsspec's event-loop thread lives as long as the process: start it before the first leak check."""
-    import fsspec.asyn
-
-    fsspec.asyn.get_loop()
 
 
 @pytest.fixture(scope="module")

@@ -57,6 +57,16 @@ def _settled(cache: ShardCache, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+def _close_within(cache: ShardCache, seconds: float) -> None:
+    """``cache.close()`` returns within ``seconds`` (run in a thread, so that a close that hangs fails the test)."""
+    t0 = time.monotonic()
+    closer = threading.Thread(target=cache.close)
+    closer.start()
+    closer.join(seconds + 2)
+    took = time.monotonic() - t0
+    assert not closer.is_alive() and took < seconds, f"close() took {took:.1f} s"
+
+
 def test_a_hit_takes_no_machine_wide_lock_and_writes_no_state_while_a_miss_still_reserves(tmp_path):
     """With state.lock held by the test, 100 hits of a cached shard from another ShardCache (its own lock
     descriptors, as another process has) complete and leave state.json as it was; a miss, which must reserve its
@@ -144,12 +154,7 @@ def test_close_abandons_a_download_stuck_in_a_request_within_seconds_leaving_not
         cache.predownload([items[0]])
         assert sent.wait(10)
         workers = list(cache._workers)
-        t0 = time.monotonic()
-        closer = threading.Thread(target=cache.close)
-        closer.start()
-        closer.join(5)
-        took = time.monotonic() - t0
-        assert not closer.is_alive() and took < 3, f"close() took {took:.1f} s"
+        _close_within(cache, 3)
         assert os.listdir(cache.directory / "tmp") == [] and os.listdir(cache.directory / "entries") == []
         assert _cache_fds(cache) == []
         assert other.stats()["used_bytes"] == 0
@@ -278,17 +283,11 @@ def test_close_abandons_an_http_download_whose_server_went_silent(tmp_path):
             assert time.monotonic() < deadline, "the first half never arrived"
             time.sleep(0.01)
         workers = list(cache._workers)
-        t0 = time.monotonic()
-        closer = threading.Thread(target=cache.close)
-        closer.start()
-        closer.join(5)
-        took = time.monotonic() - t0
-        assert not closer.is_alive() and took < 3, f"close() took {took:.1f} s"
+        _close_within(cache, 3)
         assert os.listdir(cache.directory / "tmp") == [] and _cache_fds(cache) == []
         assert cache.stats()["used_bytes"] == 0
     finally:
         stalls.server.stop()
-    closer.join(10)
     for worker in workers:
         worker.join(10)
         assert not worker.is_alive()
