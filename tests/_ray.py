@@ -6,8 +6,11 @@ inherit this process's environment: ``PYTHONPATH`` gets tests/ so that they impo
 """
 
 import contextlib
+import gc
 import os
 import time
+
+import pytest
 
 # Read by Ray when it is imported (conftest sets it first too): every node on 127.0.0.1.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
@@ -68,3 +71,28 @@ def owned_refs() -> int:
 
     counts = ray._private.worker.global_worker.core_worker.get_all_reference_counts()
     return sum(1 for c in counts.values() if c.get("local", 0) or c.get("submitted", 0))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """The Ray tests' module cluster: a head with one CPU (where the tests' process is) and two nodes of one CPU,
+    the second labelled {"prep": 1}; nothing of fastfeed's (process, fd, /dev/shm segment) is left when it ends."""
+    import torch
+
+    import _leaks
+    import fastfeed
+
+    before = _leaks.children()
+    with local_cluster(nodes=(1, 1), resources=[None, {"prep": 1}], head_cpus=1) as (c, nodes):
+        # Warm up: the driver's connections to each node's raylet and object store open here, not inside a test
+        # whose descriptor check would count them.
+        loader = fastfeed.DataLoader(torch.arange(64).float(), batch_size=8, num_workers=2, worker_type="ray")
+        for _ in range(2):
+            for _ in loader:
+                pass
+        del loader
+        gc.collect()
+        wait_no_actors()
+        yield c, nodes
+    gc.collect()
+    assert _leaks.wait_for_no_leaks(_leaks.Snapshot(before, _leaks.open_fds(), _leaks.shm_segments()), 10) == []

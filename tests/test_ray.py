@@ -24,7 +24,7 @@ import _datasets as ds
 import _leaks
 import _ray_datasets as rds
 from _compare import assert_same, copy_batch, seed_all
-from _ray import alive_actors, local_cluster, owned_refs, wait_no_actors
+from _ray import alive_actors, cluster, owned_refs, wait_no_actors  # noqa: F401 (cluster: a fixture)
 
 pytestmark = [pytest.mark.fastfeed_only, pytest.mark.ray_sockets]
 ray = pytest.importorskip("ray")
@@ -94,24 +94,6 @@ def test_a_cluster_that_does_not_answer_is_named_at_once_not_waited_for():
     assert f"ERROR worker_type='ray': the Ray cluster at 127.0.0.1:{port} (RAY_ADDRESS=127.0.0.1:{port}) does not " \
         "answer" in out.stdout, out.stderr[-2000:]  # fmt: skip
     assert "ray start --head" in out.stdout and time.monotonic() - t0 < 60
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    before = _leaks.children()
-    with local_cluster(nodes=(1, 1), resources=[None, {"prep": 1}], head_cpus=1) as (c, nodes):
-        # Warm up: the driver's connections to each node's raylet and object store open here, not inside a test
-        # whose descriptor check would count them.
-        loader = fastfeed.DataLoader(torch.arange(64).float(), batch_size=8, num_workers=2, worker_type="ray")
-        for _ in range(2):
-            for _ in loader:
-                pass
-        del loader
-        gc.collect()
-        wait_no_actors()
-        yield c, nodes
-    gc.collect()
-    assert _leaks.wait_for_no_leaks(_leaks.Snapshot(before, _leaks.open_fds(), _leaks.shm_segments()), 10) == []
 
 
 FORCED = ["shm", "stream", "store"]  # each path alone; "auto" (a mix of the first two here) where it is cheap
@@ -319,10 +301,14 @@ def test_a_stream_cut_mid_batch_yields_no_partial_batch_and_the_batch_is_made_ag
     data = ds.AugmentedDataset(n=30, width=64)
     kw = dict(batch_size=3, shuffle=True, num_workers=2)
     ref = _torch(data, generator=torch.Generator().manual_seed(5), **kw)
-    got = _epochs(fastfeed.DataLoader(data, worker_type="ray", generator=torch.Generator().manual_seed(5), **kw))
-    assert_same(got, ref)
-    assert len(bodies) >= 11  # 10 batches, and the one cut sent again
-    assert "(Ray actor) was lost (StreamBroken)" in capfd.readouterr().err
+    loader = fastfeed.DataLoader(data, worker_type="ray", generator=torch.Generator().manual_seed(5), **kw)
+    assert_same(_epochs(loader), ref)
+    assert len(bodies) >= 3  # the cut happened
+    # Which way the cut batch comes again is timing: if the actor's own send fails, the actor sends it (and its
+    # later ones) through the object store; if its send had gone out, the loop finds the stream broken and a new
+    # actor makes it again. Either way, never half a batch.
+    replaced = "(Ray actor) was lost (StreamBroken)" in capfd.readouterr().err
+    assert replaced or "object store" in loader.stats().worker_paths
 
 
 def test_the_dataset_is_pickled_once_per_epoch_not_per_task(cluster):

@@ -19,10 +19,9 @@ from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data._utils.collate import default_collate
 
 import _datasets as ds
-import _leaks
 import _ray_datasets as rds
 from _compare import assert_same
-from _ray import local_cluster, wait_no_actors
+from _ray import cluster, wait_no_actors  # noqa: F401 (cluster: a fixture)
 
 pytestmark = [pytest.mark.fastfeed_only, pytest.mark.ray_sockets]
 ray = pytest.importorskip("ray")
@@ -33,23 +32,6 @@ from fastfeed._workers import messages as m  # noqa: E402
 from fastfeed._workers import ray_actor  # noqa: E402
 from fastfeed._workers.loop import WorkerSpec  # noqa: E402
 from fastfeed._workers.ray_actor import RayWorker  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    before = _leaks.children()
-    with local_cluster(nodes=(1, 1), resources=[None, {"prep": 1}], head_cpus=1) as (c, nodes):
-        # Warm up: the driver's connections to each node's raylet and object store open here, not inside a test
-        # whose descriptor check would count them.
-        loader = fastfeed.DataLoader(torch.arange(16).float(), batch_size=4, num_workers=2, worker_type="ray")
-        for _ in loader:
-            pass
-        del loader
-        gc.collect()
-        wait_no_actors()
-        yield c, nodes
-    gc.collect()
-    assert _leaks.wait_for_no_leaks(_leaks.Snapshot(before, _leaks.open_fds(), _leaks.shm_segments()), 10) == []
 
 
 @pytest.mark.hang_limit(40)
