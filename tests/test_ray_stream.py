@@ -8,14 +8,16 @@ abandons, so that each test can say which slot a frame landed in and whether it 
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import threading
 import time
 
 import numpy as np
 import pytest
+import torch
 
-from fastfeed._ring import segments
+from fastfeed._ring import layout, segments
 from fastfeed._ring.ring import Ring
 from fastfeed._workers import ray_stream as rs
 from fastfeed._workers.loop import SlotWriter
@@ -353,3 +355,114 @@ def test_close_ends_every_connection_gives_back_every_slot_and_is_idempotent(rin
     done.close()
     half.close()
     assert _fds() == fds
+
+
+# -- the link: tasks out, answers back, on the same connection ------------------------------------------------------
+
+
+def test_tasks_and_answers_travel_the_link_in_order_and_wake_the_loop(ring, writer):
+    """The pool's calls reach the actor in the order sent; each answer (after its batch's frame, on the same
+    connection) is taken by its call's number, out of order too, and each arrival calls ``on_news``; a number that
+    never comes times out with None."""
+    news = []
+    with rs.Receiver(writer, HOST, on_news=lambda: news.append(1)) as receiver:
+        sender = rs.Sender.connect(receiver.address, receiver.token, 3, 7, timeout_s=5)
+        for n in range(3):
+            receiver.send(3, 7, n, pickle.dumps(("task", n)))
+        assert [sender.task() for _ in range(3)] == [(n, ("task", n)) for n in range(3)]
+        data = _payload(MB + 3, 3)
+        sender.send(0, data)
+        for n in (0, 1):
+            sender.answer(n, pickle.dumps({"answer": n}))
+        _until(lambda: receiver.ready(3, 7, 1))
+        assert len(news) == 2 and not receiver.ready(3, 7, 2)
+        assert receiver.answer(3, 7, 1, timeout=0) == {"answer": 1}
+        assert receiver.answer(3, 7, 0, timeout=0) == {"answer": 0}
+        _check_in_ring(ring, receiver.take(3, 7, 0, timeout=0), data)  # its bytes came first: no wait
+        assert receiver.answer(3, 7, 2, timeout=0.05) is None
+        sender.close()
+
+
+def test_a_lost_actor_fails_the_calls_it_owes_and_answers_that_came_stay(writer):
+    """The actor's end closes (its process died): answers already received are still taken; the next one raises
+    StreamBroken naming the worker; ``wait_gone`` sees it gone, and a send to it is dropped without raising."""
+    news = []
+    with rs.Receiver(writer, HOST, on_news=lambda: news.append(1)) as receiver:
+        sender = rs.Sender.connect(receiver.address, receiver.token, 4, 1, timeout_s=5)
+        other = rs.Sender.connect(receiver.address, receiver.token, 5, 1, timeout_s=5)
+        sender.answer(0, pickle.dumps("first"))
+        _until(lambda: receiver.ready(4, 1, 0))
+        assert receiver.wait_gone([(4, 1), (5, 1)], timeout=0.05) == [(4, 1), (5, 1)]
+        sender.close()
+        assert receiver.wait_gone([(4, 1), (5, 1)], timeout=5) == [(5, 1)]
+        assert receiver.answer(4, 1, 0, timeout=0) == "first"
+        with pytest.raises(rs.StreamBroken, match="worker 4 .*before answer 1: the actor closed"):
+            receiver.answer(4, 1, 1, timeout=5)
+        receiver.send(4, 1, 1, pickle.dumps("nobody reads this"))
+        assert len(news) == 2  # the answer, then the end
+        other.close()
+
+
+def test_an_answer_cut_short_ends_the_link_and_is_never_taken(writer):
+    """An answer frame whose bytes stop half way (the actor died sending it) is not unpickled or recorded."""
+    with rs.Receiver(writer, HOST) as receiver:
+        sender = rs.Sender.connect(receiver.address, receiver.token, 6, 0, timeout_s=5)
+        payload = pickle.dumps(list(range(1000)))
+        sender._sock.sendall(rs.FRAME.pack(rs.ANSWER_MAGIC, 0, len(payload)) + payload[:100])
+        sender.close()
+        with pytest.raises(rs.StreamBroken, match="cut after 100 of answer 0"):
+            receiver.answer(6, 0, 0, timeout=5)
+
+
+def _slot_bytes(batch) -> tuple[np.ndarray, list | None]:
+    """What ``layout.fill`` lays down for ``batch`` (collated as a worker collates into a slot), and its pieces."""
+    payload, objs, leaves, nbytes = layout.plan(batch)
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    layout.fill(buf, objs, leaves)
+    return buf.numpy(), layout.pieces(objs, leaves, nbytes)
+
+
+def test_a_batch_sent_in_pieces_lands_as_fill_lays_it_out(ring, writer):
+    """A gathering send of the samples' own memory (no copy in the actor) puts in the slot exactly the bytes
+    ``fill`` would, padding included, for several leaves and dtypes; batches it cannot send that way say so."""
+    g = torch.Generator().manual_seed(0)
+    samples = [{"img": torch.randint(0, 255, (3, 96, 96), generator=g, dtype=torch.uint8),
+                "emb": torch.randn(4099, generator=g, dtype=torch.float32).to(torch.bfloat16),
+                "label": i} for i in range(5)]  # fmt: skip
+    batch = layout.slot_collate(samples)
+    expected, parts = _slot_bytes(batch)
+    assert parts is not None and len(parts) > 5  # the images' own memory, one buffer each
+    with rs.Receiver(writer, HOST) as receiver:
+        sender = rs.Sender.connect(receiver.address, receiver.token, 1, 0, timeout_s=5)
+        sender.send_pieces(0, parts, expected.nbytes)
+        _check_in_ring(ring, receiver.take(1, 0, 0, timeout=10), expected)
+        with pytest.raises(ValueError, match="add up"):
+            sender.send_pieces(1, parts[:-1], expected.nbytes)
+        sender.close()
+    # Samples not contiguous, or too small to be worth a buffer each: that leaf is filled into one buffer.
+    for odd in ([torch.arange(64 * 256.0).view(64, 256).t() for _ in range(2)], [torch.arange(8.0)] * 4):
+        expected, parts = _slot_bytes(layout.slot_collate(odd))
+        assert len(parts) == 1 and np.array_equal(np.frombuffer(parts[0], np.uint8), expected)
+    many = layout.slot_collate([torch.zeros(1 << 14, dtype=torch.uint8) for _ in range(layout.MAX_PIECES + 1)])
+    assert _slot_bytes(many)[1] is None  # more buffers than one sendmsg should take: fill the whole batch
+
+
+def test_closing_from_a_receiving_thread_neither_raises_nor_waits_on_itself(writer, caplog):
+    """A loader dropped while a receiving thread runs the garbage collector is stopped from that thread: close()
+    there joins the others, not itself, and every thread still ends."""
+    threads = set(threading.enumerate())
+    closed = []
+
+    def news():  # runs in the link's own thread, as a collected loader's stop would
+        if not closed:
+            closed.append(threading.current_thread())
+            receiver.close()
+
+    receiver = rs.Receiver(writer, HOST, on_news=news)
+    sender = rs.Sender.connect(receiver.address, receiver.token, 2, 0, timeout_s=5)
+    sender.answer(0, pickle.dumps("the answer whose arrival closes the receiver"))
+    _until(lambda: closed)
+    assert closed[0].name == "fastfeed-stream-w2"
+    _until(lambda: set(threading.enumerate()) == threads)
+    assert not [r for r in caplog.records if "failed" in r.getMessage()], caplog.text
+    sender.close()

@@ -178,6 +178,36 @@ def fill(base: torch.Tensor, objs, layout) -> None:
             torch.stack(obj.tensors, 0, out=dest)
 
 
+MAX_PIECES = 512  # a gathering send takes at most IOV_MAX (1024) buffers a call; many more are small samples anyway
+
+
+def pieces(objs, layout, nbytes: int) -> list[memoryview] | None:
+    """The slot's bytes as the memory they are in, in order, padding included: what ``fill`` would lay down, for a
+    gathering send (``sendmsg``) that reads them where they are. A leaf that is not plain contiguous memory, or
+    whose samples are too small to be worth a buffer each, is laid out by ``fill`` in a buffer of its own. None
+    where that would still be more than ``MAX_PIECES`` buffers: ``fill`` the whole batch instead."""
+    out: list[memoryview] = []
+    at = 0
+    for obj, leaf in zip(objs, layout):
+        if leaf.offset > at:
+            out.append(memoryview(bytes(leaf.offset - at)))
+        size = _nbytes(leaf.shape, leaf.dtype)
+        if type(obj) is Stack:
+            direct = obj.tensors if obj.tensors[0].nbytes >= GATHER_MIN_SAMPLE_BYTES and _gatherable(obj) else None
+        else:
+            direct = (obj,) if _is_plain(obj) and obj.is_contiguous() else None
+        if direct is not None and not any(t.is_conj() or t.is_neg() for t in direct):  # lazy: memory is not value
+            out += [memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()) for t in direct if t.nbytes]
+        elif size:
+            own = torch.empty(size, dtype=torch.uint8)
+            fill(own, (obj,), (leaf._replace(offset=0),))
+            out.append(memoryview(own.numpy()))
+        at = leaf.offset + size
+        if len(out) > MAX_PIECES:
+            return None
+    return out if at == nbytes else None
+
+
 def unpack(payload: bytes, layout, base: torch.Tensor | None):
     """Rebuild the batch: tensor leaves become views of ``base``."""
     if base is None:  # a batch without tensor bytes

@@ -6,6 +6,9 @@ asyncio actor: a call hands its message to the loop at once and awaits the answe
 ahead of the running one wait in the loop's queue, where a dataset's read-ahead (``prefetch``, see ``readahead``)
 sees them, as a worker process sees the tasks waiting in its pipe. Ray runs an asyncio actor's calls in no promised
 order: each call carries its number in the epoch its ``start`` began, and the messages reach the loop in that order.
+Where the actor reaches the loader's link (``_link_for``), the calls after ``start`` come over it instead, read by a
+thread of the actor in the order sent, and their answers go back over it (``_Channel``'s ``number``); Ray's calls
+carry them only where there is no link.
 
 Where a batch goes depends on where the actor runs (its *path*, chosen at each ``start``, see ``_writer_for``):
 
@@ -61,13 +64,16 @@ class BufferWriter:
     def write(self, task: m.Task, batch, worker_id: int, fetch_s=0.0, collate_s=0.0, since=0.0, timed=False) -> m.Done:
         payload, objs, leaves, nbytes = layout.plan(batch)
         if nbytes:
-            buf = self._memory(nbytes)
-            layout.fill(torch.from_numpy(buf), objs, leaves)
-            self._send(task.idx, buf)
+            self._put(task.idx, objs, leaves, nbytes)
         if timed:
             collate_s += time.perf_counter() - since
         # done_at stays 0: another machine's clock says nothing about the main process's timeline.
         return m.Done(task.idx, worker_id, nbytes, leaves, payload, None, None, fetch_s, collate_s, 0.0)
+
+    def _put(self, idx: int, objs, leaves, nbytes: int) -> None:
+        buf = self._memory(nbytes)
+        layout.fill(torch.from_numpy(buf), objs, leaves)
+        self._send(idx, buf)
 
     def _memory(self, nbytes: int) -> np.ndarray:
         return np.empty(nbytes, dtype=np.uint8)
@@ -97,9 +103,11 @@ class RingWriter(SlotWriter):
 
 
 class StreamWriter(BufferWriter):
-    """On another node: each batch is laid out as a slot in a buffer of the actor's, and sent over the loader's
-    stream, which reads it into a slot. A send that fails leaves this batch (and those after it) to the object
-    store: the stream's receiver discards what it got of it, so no half batch is ever yielded."""
+    """On another node: each batch is sent over the loader's stream laid out as a slot, gathered from the samples'
+    own memory where it can be (``layout.pieces``), else from a buffer of the actor's, and the stream's receiver
+    reads it into a slot. A send that fails ends the stream, and the receiver discards what it got of the batch, so
+    no half batch is ever yielded. The stream is this actor's link too: the loader then counts the actor lost and
+    a new one makes the batch again."""
 
     path = STREAM
 
@@ -109,20 +117,33 @@ class StreamWriter(BufferWriter):
         self._scratch = np.empty(0, np.uint8)  # reused: a fresh buffer per batch would fault in its pages each time
         self.broken: str | None = None  # why the stream was given up (the object store carries on)
 
+    def _put(self, idx: int, objs, leaves, nbytes: int) -> None:
+        if self.broken is not None:
+            return  # the loader has lost this actor: it is replaced, and the batch made again
+        parts = layout.pieces(objs, leaves, nbytes)
+        if parts is None:
+            super()._put(idx, objs, leaves, nbytes)  # laid out in the scratch buffer, then sent
+            return
+        try:
+            # The samples' own memory, gathered by the kernel as it sends: no copy of the batch in this process.
+            self.sender.send_pieces(idx, parts, nbytes)
+        except OSError as e:
+            self._broke(e)
+
     def _memory(self, nbytes: int) -> np.ndarray:
         if len(self._scratch) < nbytes:
             self._scratch = np.empty(nbytes + nbytes // 4, np.uint8)
         return self._scratch[:nbytes]
 
     def _send(self, idx: int, buf: np.ndarray) -> None:
-        if self.broken is None:
-            try:
-                self.sender.send(idx, buf)  # returns once the bytes are the kernel's: the scratch is free again
-                return
-            except OSError as e:
-                self.broken = f"{type(e).__name__}: {e}"
-                self.sender.close()
-        self.buffer = buf.copy()  # Ray serialises it after the call returns, when the scratch is reused
+        try:
+            self.sender.send(idx, buf)  # returns once the bytes are the kernel's: the scratch is free again
+        except OSError as e:
+            self._broke(e)
+
+    def _broke(self, error: OSError) -> None:
+        self.broken = f"{type(error).__name__}: {error}"
+        self.sender.close()  # the loader sees its link end
 
     def close(self) -> None:
         super().close()
@@ -136,6 +157,8 @@ class RayWorker:
     def __init__(self):
         self._thread = None
         self._channel = None
+        self._link = None  # this start's ray_stream.Sender, when its calls come over the loader's link
+        self._reader = None  # the thread that reads them
         self._epoch = None  # the key the main process gave the last start: its calls carry it
         self._next = 0  # the number of the call whose message goes to the loop next
         self._turns: dict = {}  # (epoch, number) -> the future a call that came before its turn awaits
@@ -157,6 +180,7 @@ class RayWorker:
         """
         self._end_thread()
         writer, fallback = _writer_for(spec, link, worker_id, epoch)
+        self._link = _link_for(writer, link, worker_id, epoch)
         torch.set_num_threads(1)  # as a worker process: the actor's cores are its workers' to share
         seed = _seed(spec.base_seed, worker_id)
         dataset = _seed_datapipe(spec.dataset, spec.shared_seed if sync is None else sync["shared_seed"])
@@ -165,7 +189,7 @@ class RayWorker:
         torch_worker._worker_info = torch_worker.WorkerInfo(
             id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=dataset
         )
-        channel = self._channel = _Channel(asyncio.get_running_loop(), writer)
+        channel = self._channel = _Channel(asyncio.get_running_loop(), writer, self._link)
         where = f"in DataLoader worker {worker_id} (Ray actor, pid {os.getpid()} on {socket.gethostname()})"
         self._thread = threading.Thread(
             target=_serve, args=(worker_id, spec, dataset, channel, resume, where),
@@ -177,10 +201,15 @@ class RayWorker:
         state = channel.send(m.StateRequest(None))
         self._epoch, self._next = epoch, 0
         self._let_in()
+        if self._link is not None:
+            # The pool sends this start's calls over the link once it has this answer, so they come after these.
+            self._reader = threading.Thread(target=_read_link, args=(self._link, channel),
+                                            name=f"ff_ray_link_{worker_id}", daemon=True)  # fmt: skip
+            self._reader.start()
         state = to_wire((await state)[0])
         restored = None if restored is None else to_wire((await restored)[0])
         return {"state": state, "restored": restored, "where": self.where(), "path": writer.path,
-                "fallback": fallback}  # fmt: skip
+                "fallback": fallback, "direct": self._link is not None}  # fmt: skip
 
     async def call(self, epoch, number: int, msg):
         """Hand ``msg``, call ``number`` of ``epoch``, to the loop once the calls numbered before it have. Returns
@@ -205,16 +234,23 @@ class RayWorker:
             self._thread.join(timeout=5.0)  # one stuck in the dataset is left (a daemon); its channel is dropped
         if self._channel is not None:
             self._channel.writer.close()  # the last start's stream connection: each start makes its own
+        if self._link is not None:
+            self._link.close()  # wakes the reader
+            self._link = None
+        if self._reader is not None:
+            self._reader.join(timeout=5.0)
+            self._reader = None
         self._thread = None
 
 
 class _Call:
     """One call's message on its way through the loop, and what the call returns."""
 
-    __slots__ = ("future", "reply", "state", "buf", "asks_state", "done")
+    __slots__ = ("future", "number", "reply", "state", "buf", "asks_state", "done")
 
-    def __init__(self, future, asks_state: bool):
-        self.future = future  # the actor's event loop's: the call awaits it
+    def __init__(self, future, asks_state: bool, number: int | None = None):
+        self.future = future  # the actor's event loop's, which a Ray call awaits; None for one over the link
+        self.number = number  # the call's number on the link, where its answer goes back over it
         self.reply = self.state = self.buf = None
         self.asks_state = asks_state  # a StateRequest for the state right after it follows it
         self.done = False
@@ -230,21 +266,24 @@ class _Channel:
     event loop's calls ``send``; only the loop's thread takes messages and answers (``get``, ``put``, ``crash``).
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, writer=None):
+    def __init__(self, loop: asyncio.AbstractEventLoop, writer=None, link=None):
         self.writer = BufferWriter() if writer is None else writer
+        self.link = link  # the ray_stream.Sender that the answers of the link's calls go back over
         self._loop = loop
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (message, its _Call or None, is its state request)
         self._taken: collections.deque = collections.deque()  # inbox entries the loop took and has not answered
         self._lock = threading.Lock()  # a message sent as the loop dies fails with its error, never waits for ever
         self._error = None
 
-    def send(self, msg) -> asyncio.Future:
-        """Queue ``msg`` for the loop; the future's result is ``(answer, state after it, batch bytes)``."""
+    def send(self, msg, number: int | None = None) -> asyncio.Future | None:
+        """Queue ``msg`` for the loop; the future's result is ``(answer, state after it, batch bytes)``. With
+        ``number`` (a call that came over the link, from its reading thread), the answer goes back over the link
+        instead, and there is no future."""
         ask = _state_request_after(msg)
-        call = _Call(self._loop.create_future(), ask is not None)
+        call = _Call(None if number is not None else self._loop.create_future(), ask is not None, number)
         with self._lock:
             if self._error is not None:
-                call.future.set_exception(self._error)
+                self._resolve(call, None, self._error)
                 return call.future
             self._inbox.put((msg, call, False))
             if ask is not None:
@@ -288,6 +327,7 @@ class _Channel:
         call.reply = reply
         if type(reply) is m.Done and reply.nbytes:
             call.buf = self.writer.take()
+
         if not call.asks_state:
             self._finish(call)
 
@@ -305,18 +345,45 @@ class _Channel:
         for call in calls:
             if call is not None and not call.done:
                 call.done = True
-                self._resolve(call.future, None, error)
+                self._resolve(call, None, error)
 
     def _finish(self, call: _Call) -> None:
         if not call.done:
             call.done = True
-            self._resolve(call.future, (call.reply, call.state, call.buf), None)
+            self._resolve(call, (call.reply, call.state, call.buf), None)
 
-    def _resolve(self, future, result, error) -> None:
+    def _resolve(self, call: _Call, result, error) -> None:
+        if call.number is not None:
+            _answer(self.link, call.number, result if error is None else error)
+            return
         try:
-            self._loop.call_soon_threadsafe(_settle, future, result, error)
+            self._loop.call_soon_threadsafe(_settle, call.future, result, error)
         except RuntimeError:  # the event loop closed with the actor: no call awaits
             pass
+
+
+def _answer(link, number: int, answer) -> None:
+    """Send call ``number``'s answer (its result, or the exception the loop raised) over the link."""
+    try:
+        payload = m.dumps(answer)
+    except Exception as e:  # noqa: BLE001 (an exception that does not pickle: its text still goes)
+        payload = m.dumps(RuntimeError(f"{type(answer).__name__}: {answer} (its answer did not pickle: {e})"))
+    try:
+        link.answer(number, payload)
+    except OSError:
+        pass  # the link is gone: the loader sees it end, and replaces this actor
+
+
+def _read_link(link, channel: _Channel) -> None:
+    """The actor's reader of its link: each call the loader sent, to the loop in the order sent; once the link
+    ends (the loader stopped, or replaced this actor), a ``Stop``, so the loop does not serve on for nobody."""
+    while True:
+        got = link.task()
+        if got is None:
+            break
+        number, msg = got
+        channel.send(msg, number)
+    channel.stop()
 
 
 def _settle(future, result, error) -> None:
@@ -414,6 +481,21 @@ def _writer_for(spec, link: dict | None, worker_id: int, key: int):
     except OSError as e:
         return BufferWriter(), f"{want} could not be set up ({type(e).__name__}: {e})"
     return BufferWriter(), None if want == STORE else f"{want}: the loader offered none"
+
+
+def _link_for(writer, link: dict | None, worker_id: int, key: int):
+    """The ``ray_stream.Sender`` this start's calls and answers go over, or None (Ray's calls carry them). A
+    streaming actor's is its stream; one beside the loop (shm) connects only for this."""
+    if isinstance(writer, StreamWriter):
+        return writer.sender
+    if isinstance(writer, RingWriter) and link is not None and link.get("stream") is not None:
+        from .ray_stream import Sender
+
+        try:
+            return Sender.connect(tuple(link["stream"]), link["token"], worker_id, key, STREAM_CONNECT_S)
+        except OSError:
+            return None  # Ray's calls carry them: slower for the loop, but they work
+    return None
 
 
 STREAM_CONNECT_S = 10.0  # an actor that cannot reach the loader's stream in this long uses the object store

@@ -1,23 +1,30 @@
 """Ray actors as the loader's workers, behind the same face as ``Pool`` and ``ThreadPool``.
 
-Each worker is an actor (``ray_actor.RayWorker``) running the ordinary worker loop; a message to it is an actor call,
-numbered, which the actor hands to its loop in that order at once, so that the loop (and a dataset's read-ahead) sees
-the tasks sent ahead of the one it runs, and the answers come back in the order the tasks went out, as through a
-worker's pipe. The epoch's ``WorkerSpec`` (and with it the dataset) goes into Ray's object store
-once per epoch, and each actor takes it from there: it is not pickled per task.
+Each worker is an actor (``ray_actor.RayWorker``) running the ordinary worker loop. Ray starts, places, replaces and
+kills it; its ``start`` is a Ray call. The messages of each start after that are numbered and go over the actor's
+*link*, one TCP connection from the actor to this process's ``ray_stream.Receiver``, and so do their answers: a Ray
+call and its ``ray.get`` would cost the loop's thread about a millisecond a batch, a frame costs it a ``sendall`` and
+a look-up, as a worker process's pipe does. The actor hands them to its loop in that order at once, so that the loop
+(and a dataset's read-ahead) sees the tasks sent ahead of the one it runs. Until a start has answered, whether its
+actor has a link is not known, and what is sent to it waits here (``_UNSENT``); an actor without one (the object
+store path, or a listener that could not be made) gets its messages as numbered Ray calls instead. The epoch's
+``WorkerSpec`` (and with it the dataset) goes into Ray's object store once per epoch, and each actor takes it from
+there: it is not pickled per task.
 
 A batch reaches the ring by one of three paths, chosen per actor at its start (``ray_actor._writer_for``): an actor on
 this process's node writes it into a ring slot itself (``shm``), as a worker process does; one on another node sends
 its bytes over a TCP stream that a thread of this process reads straight into a slot (``stream``, see
 ``ray_stream``); and where neither can be set up, it comes back as one Ray object that the main process copies once
-into a slot (``object store``). Only the small ``Done`` goes through Ray on the first two, so the loop's cost per
-batch is a look-up, as with worker processes; pinning, the device stage and the leases downstream are theirs too.
+into a slot (``object store``). Only the small ``Done`` comes back on the first two, over the link, so the loop's
+cost per batch is a look-up, as with worker processes; pinning, the device stage and the leases downstream are
+theirs too.
 ``stats().worker_paths`` says which path each worker took. ``FASTFEED_RAY_PATH`` (``shm``, ``stream``, ``store``)
 forces one, for tests and benchmarks.
 
 Losing a worker. Every answer carries the worker's state right after it (its RNGs, a stateful dataset's position,
 the batches it made), which is what a worker process keeps for ``DataLoader.state_dict()``. When an actor or its node
-dies, or an answer is lost with its node, a new actor starts from the state after the last answer taken, as
+dies, or an answer is lost with its node (a link that ends is the same news: the kernel closes a dead process's
+connection), a new actor starts from the state after the last answer taken, as
 ``load_state_dict`` restarts a worker process, and the tasks still owed are sent to it again, in order: the user sees
 the batches of an uninterrupted run. A batch that keeps killing its actor raises after ``MAX_LOSSES`` replacements.
 
@@ -50,7 +57,7 @@ from . import messages as m
 from . import ray_connect
 from .loop import SlotWriter
 from .pool import _READY, STATUS_CHECK_S, Clock, WorkerDied
-from .ray_actor import PATH_ENV, PATHS, SHM, STORE, STREAM, from_wire, owned
+from .ray_actor import PATH_ENV, PATHS, SHM, STORE, from_wire, owned
 
 log = logging.getLogger("fastfeed")
 
@@ -62,6 +69,10 @@ EARLY_NOTICE_S = 5.0
 DEFAULT_OPTIONS = {"num_cpus": 1}  # a worker uses a core, as a worker process does
 _START = "start"  # the pending entry of an actor's start call
 _LOCAL = "local"  # a StateRequest, answered here from the states that came with the answers
+# A call not sent yet: its actor's start has not answered, so whether its calls go over the link is not known. (A
+# call sent over the link is its number, an int; one sent through Ray, its reference.)
+_UNSENT = "unsent"
+_NOT_YET = "not yet"  # a link answer not here within the wait
 _epochs = itertools.count()  # keys of actor starts: an actor lets in the calls of its latest start only
 # Waiting for a streamed batch whose Done has come: its bytes were all sent before it, so only a connection that
 # stalls without breaking takes this long, and the actor is then replaced as if it were lost.
@@ -147,7 +158,7 @@ def _kill(ray, actor) -> None:
 
 class _Worker:
     __slots__ = ("wid", "actor", "pending", "states", "start", "last", "resume_msg", "losses", "where", "epoch",
-                 "calls", "asked")  # fmt: skip
+                 "calls", "asked", "direct")  # fmt: skip
 
     def __init__(self, wid: int, actor):
         self.wid = wid
@@ -155,6 +166,7 @@ class _Worker:
         self.epoch = None  # the key of the actor's start: its calls carry it, numbered from 0 (``calls``)
         self.calls = 0
         self.asked = 0.0  # when the actor's start was sent (monotonic): the start timeout runs from there
+        self.direct: bool | None = None  # whether this start's calls go over the link (None: not known yet)
         self.pending: collections.deque = collections.deque()  # [message, ref] sent, answers not taken yet
         self.states: dict = {}  # task index -> StateReply right after it (recent ones)
         self.start = None  # StateReply at this epoch's start
@@ -199,7 +211,14 @@ class RayPool:
         self._lost = _lost_errors(ray)
         self._spec_ref = ray.put(spec)
         self._receiver = None
-        self._link = self._make_link(ray, writer)
+        # Rung by Ray's callbacks for the references waited for and by the receiver for each answer and lost link,
+        # so one poll waits for all of them (and for worker processes, in a MixedPool).
+        self.wakeup = _Wakeup()
+        try:
+            self._link = self._make_link(ray, writer)
+        except BaseException:
+            self.wakeup.close()
+            raise
         self._warned_paths: set = set()
         self._freed = False  # other loaders' spare actors were killed to make room
         self._checked = False  # the cluster was asked whether any node can host an actor at all
@@ -247,16 +266,16 @@ class RayPool:
             log.warning("fastfeed: Ray workers use the object store: this process is on no Ray node (%s)", e)
             return None
         stream = token = None
-        if forced != SHM:
-            from .ray_stream import Receiver
+        from .ray_stream import Receiver
 
-            try:
-                self._receiver = Receiver(writer, host)
-            except OSError as e:
-                log.warning("fastfeed: Ray workers on other nodes use the object store: no stream listener on %s "
-                            "(%s: %s)", host, type(e).__name__, e)  # fmt: skip
-            else:
-                stream, token = self._receiver.address, self._receiver.token
+        try:
+            # Every actor's link: its calls and answers, and the batches of those on other nodes.
+            self._receiver = Receiver(writer, host, on_news=self.wakeup.ring)
+        except OSError as e:
+            log.warning("fastfeed: Ray workers on other nodes use the object store, and every worker's calls go "
+                        "through Ray: no listener on %s (%s: %s)", host, type(e).__name__, e)  # fmt: skip
+        else:
+            stream, token = self._receiver.address, self._receiver.token
         return {"node": node, "path": None if forced == "auto" else forced, "stream": stream, "token": token}
 
     def _begin(self, w: _Worker, resume, sync=None):
@@ -264,11 +283,33 @@ class RayPool:
         if self._receiver is not None and w.epoch is not None:
             self._receiver.discard(w.wid, w.epoch)  # the last start's connection and what it sent, not taken
         w.epoch, w.calls, w.asked = next(_epochs), 0, time.monotonic()
+        w.direct = None if self._receiver is not None else False
         return w.actor.start.remote(w.epoch, w.wid, self._spec_ref, resume, sync, self._link)
 
     def _call(self, w: _Worker, message):
+        """Send ``message`` to ``w``'s actor: over its link (the call's number), through Ray (the reference), or,
+        before its start has said which, not yet (``_UNSENT``: sent once it has, ``_took``)."""
+        if w.direct is None:
+            return _UNSENT
         n, w.calls = w.calls, w.calls + 1
+        if w.direct:
+            self._receiver.send(w.wid, w.epoch, n, m.dumps(message))
+            return n
         return w.actor.call.remote(w.epoch, n, message)
+
+    def _take_starts(self) -> None:
+        """Take every start that has answered (their unsent calls go out), so that no actor idles waiting for the
+        loop to look at it."""
+        fronts = {w.pending[0][1]: w for w in self.workers if w.pending and w.pending[0][0] is _START}
+        if not fronts:
+            return
+        done, _ = self.ray.wait(list(fronts), num_returns=len(fronts), timeout=0)
+        for ref in done:
+            w = fronts[ref]
+            answer = self._get(w, ref)
+            if answer is not None:
+                w.pending.popleft()
+                self._took(w, _START, answer)
 
     # -- the pool's face -----------------------------------------------------------------
 
@@ -295,6 +336,8 @@ class RayPool:
             msg, ref = w.pending[0]
             if ref is _LOCAL:
                 return True
+            if type(ref) is int:
+                return self._receiver.ready(w.wid, w.epoch, ref)
             done, _ = self.ray.wait([ref], timeout=0)
             if not done:
                 return False
@@ -318,15 +361,27 @@ class RayPool:
             if ref is _LOCAL:
                 w.pending.popleft()
                 return self._state_reply(w, msg.after_idx)
-            done, _ = self.ray.wait([ref], timeout=0)
-            if not done:
-                if first:
-                    self.blocked += 1  # the answer is not here yet: the consumer waits (fastfeed.stats' ``ready``)
-                first = False
-                done = self._wait_for(w, ref, msg, clock)
+            if type(ref) is int:  # over the link: the common case, kept to a look-up when the answer is here
+                answer = self._link_answer(w, ref, 0.0)
+                if answer is _NOT_YET:
+                    if first:
+                        self.blocked += 1  # not here yet: the consumer waits (fastfeed.stats' ``ready``)
+                        self._take_starts()  # the other actors' starts, while this one's answer comes
+                    first = False
+                    answer = self._link_answer(w, ref, clock.next_wait())
+                    if answer is _NOT_YET:
+                        clock.check()
+                        continue
+            else:
+                done, _ = self.ray.wait([ref], timeout=0)
                 if not done:
-                    continue
-            answer = self._get(w, ref)
+                    if first:
+                        self.blocked += 1  # the answer is not here yet: the consumer waits
+                    first = False
+                    done = self._wait_for(w, ref, msg, clock)
+                    if not done:
+                        continue
+                answer = self._get(w, ref)
             if answer is None:  # the actor was lost and replaced: its tasks are owed again
                 continue
             w.pending.popleft()
@@ -338,17 +393,33 @@ class RayPool:
         """The next answer from whichever worker answers first."""
         clock = Clock(timeout, self.hang_dump_s, self.dump_stacks)
         while True:
-            fronts = {}
+            self.wakeup.drain()  # before looking: an answer that comes after the look rings the poll below
+            self._take_starts()  # a start that answered sends what waited for it
+            fronts, linked, took = {}, False, False
             for w in self.workers:
                 if w.pending:
                     msg, ref = w.pending[0]
                     if ref is _LOCAL:
                         return self.recv(w.wid, timeout)
-                    fronts[ref] = w
-            if not fronts:
+                    if type(ref) is int:
+                        if self._receiver.ready(w.wid, w.epoch, ref):
+                            got = self._take(w)
+                            if got is not None:
+                                return got
+                            took = True
+                        linked = True
+                    else:
+                        fronts[ref] = w
+            if took:
+                continue  # nothing for the iterator (a lost actor, a task past its iterable's end): look again
+            if not fronts and not linked:
                 raise RuntimeError("recv_any() with no answer owed by any Ray actor")
             starting = [w for w in fronts.values() if w.pending[0][0] is _START]
             wait = min(clock.next_wait(), STATUS_CHECK_S, self._watch_starts(starting))
+            if linked:
+                self.wait(wait)
+                clock.check()
+                continue
             done, _ = self.ray.wait(list(fronts), num_returns=1, timeout=wait)
             if done:
                 got = self._take(fronts[done[0]])
@@ -357,6 +428,18 @@ class RayPool:
                 continue
             clock.check()
 
+    def wait(self, seconds: float, fds: tuple = ()) -> None:
+        """Until an answer an actor owes at the front of its queue (over its link or through Ray) may be here, a
+        lost link, or one of ``fds`` (``select.poll`` masks by descriptor, a MixedPool's processes) is ready, or
+        ``seconds`` have passed. The caller drained the wakeup before it looked."""
+        fronts = [w.pending[0][1] for w in self.workers if w.pending]
+        self.wakeup.watch([ref for ref in fronts if ref is not _LOCAL and type(ref) is not int])
+        poller = select.poll()
+        poller.register(self.wakeup.fd, select.POLLIN)
+        for fd, mask in fds:
+            poller.register(fd, mask)
+        poller.poll(seconds * 1000)
+
     def _take(self, w: _Worker):
         """Take ``w``'s first answer, which has arrived: the message for the iterator, or None (a start, a task
         after its iterable ended, an answer lost with its actor, which was replaced)."""
@@ -364,8 +447,8 @@ class RayPool:
         if ref is _LOCAL:
             w.pending.popleft()
             return self._state_reply(w, msg.after_idx)
-        answer = self._get(w, ref)
-        if answer is None:
+        answer = self._link_answer(w, ref, 0.0) if type(ref) is int else self._get(w, ref)
+        if answer is None or answer is _NOT_YET:
             return None
         w.pending.popleft()
         return self._took(w, msg, answer)
@@ -497,6 +580,28 @@ class RayPool:
         except self._lost as e:
             self._replace(w, e)
             return None
+        return self._landed(w, answer)
+
+    def _link_answer(self, w: _Worker, number: int, timeout: float):
+        """The answer to call ``number`` of ``w``'s link, as ``_get``'s; ``_NOT_YET`` if not within ``timeout``;
+        None when the link ended first (the actor, its node or the connection lost): the actor has been replaced.
+        The exception the actor's loop raised, if it did, is raised here."""
+        from .ray_stream import StreamBroken
+
+        try:
+            answer = self._receiver.answer(w.wid, w.epoch, number, timeout)
+        except StreamBroken as e:
+            self._replace(w, e)
+            return None
+        if answer is None:
+            return _NOT_YET
+        if isinstance(answer, BaseException):
+            raise answer
+        return self._landed(w, answer)
+
+    def _landed(self, w: _Worker, answer):
+        """``answer`` with a streamed batch's slot filled in, once its bytes are in it; None when its stream broke
+        under it (the actor has been replaced: the batch is made again)."""
         if type(answer) is tuple and self._receiver is not None:
             reply = answer[0]
             if type(reply) is m.Done and reply.nbytes and answer[2] is None and reply.slot_id is None \
@@ -533,6 +638,10 @@ class RayPool:
             self.paths[w.wid] = answer.get("path", STORE)
             if answer.get("fallback"):
                 self._warn_path(w, f"its batches go through Ray's object store: {answer['fallback']}")
+            w.direct = bool(answer.get("direct"))
+            for entry in w.pending:  # what was sent to it meanwhile goes now, the way it says, in order
+                if entry[1] is _UNSENT:
+                    entry[1] = self._call(w, entry[0])
             return None
         reply, state, buf = answer
         if reply is None:
@@ -547,11 +656,7 @@ class RayPool:
                 if len(w.states) > 4 * max(1, len(w.pending)) + 64:  # keep the recent ones (state_dict asks those)
                     for idx in sorted(w.states)[: len(w.states) // 2]:
                         del w.states[idx]
-        if type(reply) is m.Done and buf is not None:
-            if self.paths.get(w.wid) == STREAM:
-                self.paths[w.wid] = STORE
-                self._warn_path(w, "its stream broke as a batch was sent: its batches go through Ray's object "
-                                   "store from now on")  # fmt: skip
+        if type(reply) is m.Done and buf is not None:  # the object store's path
             return self._into_ring(reply, buf)
         return reply
 
@@ -625,7 +730,8 @@ class RayPool:
         """Drop every owed answer; actors that owe nothing go back to the loader's spares, the others are killed
         (one may be stuck in the dataset, and the next epoch must not queue behind it)."""
         ray = self.ray
-        writing = []  # owed calls of killed actors that write into the ring themselves (the shm path)
+        writing = []  # owed Ray calls of killed actors that write into the ring themselves (the shm path)
+        linked = []  # the links of such actors whose calls went over them
         for w in self.workers:
             owed = [ref for msg, ref in w.pending if ref is not _LOCAL and msg is not _START]
             clean = not owed and ray.is_initialized()
@@ -634,8 +740,12 @@ class RayPool:
                 self._spare.give(self._key, w.actor, ray)
             else:
                 _kill(ray, w.actor)
-                if owed and self.paths.get(w.wid) == SHM:
-                    writing += owed
+                sent = [ref for ref in owed if ref is not _UNSENT]  # an unsent call makes it write nothing
+                if sent and self.paths.get(w.wid) == SHM:
+                    if w.direct:
+                        linked.append((w.wid, w.epoch))
+                    else:
+                        writing += sent
             w.actor = None
         self.workers = []
         self._spec_ref = None
@@ -649,9 +759,14 @@ class RayPool:
                 left = []
             if left:
                 self.all_gone = False  # still writing: the ring is closed, not taken over
+        if linked and self._receiver is not None:
+            # Likewise: an actor's end of its link closes when its process is gone.
+            if self._receiver.wait_gone(linked, grace):
+                self.all_gone = False
         if self._receiver is not None:
             self._receiver.close()
             self._receiver = None
+        self.wakeup.close()
 
 
 def _short(index) -> str:
@@ -682,11 +797,11 @@ class _Wakeup:
         for ref in refs:
             key = ref.binary()
             if key not in self._watched:
-                ref.future().add_done_callback(self._ring)
+                ref.future().add_done_callback(self.ring)
             ids.add(key)
         self._watched = ids  # the others were taken: their callbacks have rung or will, once
 
-    def _ring(self, _future) -> None:
+    def ring(self, _future=None) -> None:
         with self._lock:
             if self._closed:
                 return
@@ -718,7 +833,6 @@ class MixedPool:
         self._split = remote.first_id
         self.hang_dump_s = local.hang_dump_s
         self._retired: set = set()  # local workers told to stop (their iterable ended): their exit is no death
-        self._wakeup: _Wakeup | None = None  # made when recv_any first waits
         self._blocked = 0  # recv_any calls that found no answer waiting, and waited
 
     def _of(self, wid: int):
@@ -755,8 +869,7 @@ class MixedPool:
         clock = Clock(timeout, self.hang_dump_s, self.dump_stacks)
         waited = False
         while True:
-            if self._wakeup is not None:
-                self._wakeup.drain()  # before looking: an answer that comes after the look rings the poll below
+            self.remote.wakeup.drain()  # before looking: an answer that comes after the look rings the poll below
             for wid in range(self._split):
                 if wid not in self._retired and self.local.workers and self.local.ready(wid):
                     return self.local.recv(wid, timeout)
@@ -779,17 +892,11 @@ class MixedPool:
 
     def _wait(self, seconds: float) -> None:
         """Until a local worker's message (or exit) or an actor's answer is here, or ``seconds`` have passed."""
-        if self._wakeup is None:
-            self._wakeup = _Wakeup()
-        fronts = [w.pending[0][1] for w in self.remote.workers if w.pending]
-        self._wakeup.watch([ref for ref in fronts if ref is not _LOCAL])
-        poller = select.poll()
-        poller.register(self._wakeup.fd, select.POLLIN)
+        fds = []
         for wid, w in enumerate(self.local.workers):
             if wid not in self._retired:  # its exit is no news, and its ended pipe would poll readable for ever
-                poller.register(w.results.fileno(), _READY)
-                poller.register(w.process.sentinel, _READY)
-        poller.poll(seconds * 1000)
+                fds += [(w.results.fileno(), _READY), (w.process.sentinel, _READY)]
+        self.remote.wait(seconds, tuple(fds))
 
     def dump_stacks(self, waited: float) -> None:
         self.local.dump_stacks(waited)
@@ -799,10 +906,5 @@ class MixedPool:
         try:
             self.local.stop(grace, idle)
         finally:
-            try:
-                self.remote.stop(grace, idle)
-            finally:
-                if self._wakeup is not None:
-                    self._wakeup.close()
-                    self._wakeup = None
+            self.remote.stop(grace, idle)
 

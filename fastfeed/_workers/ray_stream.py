@@ -1,4 +1,5 @@
-"""Batches from Ray actors on other machines, streamed over TCP straight into ring slots.
+"""Each Ray actor's direct link to the loader: its tasks and answers, and, from other machines, its batches,
+streamed over TCP straight into ring slots.
 
 Through Ray's object store a batch made on another node is copied into that node's store, fetched into this node's
 store, and copied once more into a ring slot. Here each actor start holds one TCP connection to the main process
@@ -8,11 +9,23 @@ releases the GIL while it copies, so the training thread runs meanwhile. Ray its
 that owns the actors sends the address and token to each actor and the batch's metadata through its own calls, and
 asks the receiver for the bytes by (worker, actor start key, task index).
 
-Wire format (little-endian, fixed ``struct`` fields only; nothing received is ever unpickled)::
+The same connection is the actor's control link, on every node (an actor beside the loop writes its batches into
+the ring's shared memory itself, and uses the link for nothing else): the pool sends each task over it (``send``)
+and the actor sends back each answer, with the worker's state after it (``Sender.answer``), after the batch's bytes
+where it streams them. A Ray call and ``ray.get`` cost the training loop's thread about half a millisecond each; a
+frame costs it a ``sendall`` or a dictionary look-up, which is what a worker process's pipe costs.
+
+Wire format (little-endian, fixed ``struct`` headers)::
 
     hello   HELLO_MAGIC (8 bytes), token (32 bytes), worker (uint32), key (uint64: which start of that worker)
     ack     ACK (8 bytes), from the receiver once the stream is registered
     frame   FRAME_MAGIC (4 bytes), task index (int64), nbytes (uint64), then exactly nbytes raw bytes
+    answer  ANSWER_MAGIC (4 bytes), call number (int64), nbytes (uint64), then nbytes of pickle: actor -> loader
+    task    TASK_MAGIC (4 bytes), call number (int64), nbytes (uint64), then nbytes of pickle: loader -> actor
+
+A batch's bytes are never unpickled. An answer is unpickled only once its connection has presented the token, that
+is, only what an actor of this loader sent in this framing; a task, only by the actor that connected to the address
+and token the pool gave it through Ray.
 
 The token is a per-receiver secret (``secrets.token_bytes(32)``) compared with ``hmac.compare_digest``: a peer that
 sends a wrong token or magic, or says nothing within ``handshake_timeout_s``, is closed without an ack and counted in
@@ -42,7 +55,9 @@ from __future__ import annotations
 
 import collections
 import hmac
+import itertools
 import logging
+import pickle
 import secrets
 import socket
 import struct
@@ -51,11 +66,16 @@ import time
 
 log = logging.getLogger("fastfeed")
 
-HELLO_MAGIC = b"FFSTRM\x00\x01"  # the last two bytes are the protocol's version
+HELLO_MAGIC = b"FFSTRM\x00\x02"  # the last two bytes are the protocol's version
 HELLO = struct.Struct("<8s32sIQ")
 ACK = b"FFSTRMOK"
 FRAME_MAGIC = b"FFBT"
-FRAME = struct.Struct("<4sqQ")
+ANSWER_MAGIC = b"FFAN"
+TASK_MAGIC = b"FFTK"
+FRAME = struct.Struct("<4sqQ")  # every frame's header: magic, index (a task's, or a call's number), nbytes
+# An answer is a reply and a worker's state: a few kilobytes (a batch's non-tensor parts, for one with many). Past
+# this, a header is garbage, not an answer.
+MAX_ANSWER_BYTES = 1 << 30
 TOKEN_BYTES = 32
 # A frame header's size field past this is garbage, not a batch: eight random bytes exceed it with probability
 # 1 - 2**-24, and without the bound they would make the writer create (and prefault) a segment of that size.
@@ -98,7 +118,7 @@ def _fill(sock: socket.socket, view: memoryview) -> int:
 class _Stream:
     """One actor start's connection: the frames it delivered and not yet taken, and why it ended (None: live)."""
 
-    __slots__ = ("worker", "key", "sock", "thread", "frames", "ended")
+    __slots__ = ("worker", "key", "sock", "thread", "frames", "answers", "ended")
 
     def __init__(self, worker: int, key: int, sock: socket.socket, thread: threading.Thread):
         self.worker = worker
@@ -106,6 +126,7 @@ class _Stream:
         self.sock = sock
         self.thread = thread
         self.frames: dict[int, tuple[int | None, str | None]] = {}
+        self.answers: dict[int, object] = {}  # call number -> its answer (unpickled), until taken
         self.ended: str | None = None
 
 
@@ -119,11 +140,14 @@ class Receiver:
         host: the address to listen on (one the actors' machines can reach); the port is chosen by the system.
         handshake_timeout_s: how long a new connection may take to send its hello.
         max_frame_bytes: frames announcing more are garbage (see ``MAX_FRAME_BYTES``).
+        on_news: called (from a receiving thread, with no lock held) when an answer arrives or a connection ends,
+            so that a loop waiting in ``poll`` on other things too wakes (``ray_pool._Wakeup.ring``).
     """
 
     def __init__(self, writer, host: str, handshake_timeout_s: float = 10.0,
-                 max_frame_bytes: int = MAX_FRAME_BYTES):
+                 max_frame_bytes: int = MAX_FRAME_BYTES, on_news=None):
         self.token = secrets.token_bytes(TOKEN_BYTES)
+        self._on_news = on_news
         self.handshake_timeout_s = handshake_timeout_s
         self.max_frame_bytes = max_frame_bytes
         self.batches: collections.Counter = collections.Counter()  # frames received, per worker
@@ -168,23 +192,83 @@ class Receiver:
         Raises:
             StreamBroken: that start's connection ended, or was discarded, or never made, before the frame arrived.
         """
+        return self._wait(worker, key, timeout, lambda stream: stream.frames.pop(index, None),
+                          lambda why: self._broken(worker, key, index, why))  # fmt: skip
+
+    def _wait(self, worker: int, key: int, timeout: float | None, look, lost):
+        """What ``look(stream)`` finds (not None) on the stream of (worker, key), waiting for it up to ``timeout``;
+        None if it is not there by then. Raises ``StreamBroken`` (its text ``lost(why)``) once the stream ended
+        without it."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
                 stream = self._streams.get((worker, key))
                 if stream is None:
-                    why = ("the receiver is closed" if self._closed else "its stream was discarded"
+                    why = ("the receiver is closed" if self._closed else "it was discarded"
                            if (worker, key) in self._gone else "it never connected")
-                    raise StreamBroken(worker, key, self._broken(worker, key, index, why))
-                hit = stream.frames.pop(index, None)
+                    raise StreamBroken(worker, key, lost(why))
+                hit = look(stream)
                 if hit is not None:
                     return hit
                 if stream.ended is not None:
-                    raise StreamBroken(worker, key, self._broken(worker, key, index, stream.ended))
+                    raise StreamBroken(worker, key, lost(stream.ended))
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return None
                 self._cond.wait(remaining)
+
+    def send(self, worker: int, key: int, number: int, payload: bytes) -> None:
+        """Send call ``number`` (a pickled message) to the actor of (worker, key) over its link.
+
+        Never raises for a link that is gone: it ends that link instead, and ``answer`` then raises ``StreamBroken``
+        for this call, which is where the pool learns of a lost actor."""
+        header = FRAME.pack(TASK_MAGIC, number, len(payload))
+        with self._cond:
+            stream = self._streams.get((worker, key))
+            if stream is None or stream.ended is not None:
+                return
+            try:
+                # Under the lock: the stream's thread closes the socket under it, so this never writes into a
+                # descriptor number reused meanwhile. A task is small and the actor reads its link in a thread of
+                # its own, so this does not wait on the dataset.
+                sent = stream.sock.sendmsg([header, payload])
+                if sent < len(header) + len(payload):  # a signal cut it short
+                    stream.sock.sendall((header + payload)[sent:])
+            except OSError as e:
+                stream.ended = f"sending it call {number} failed ({type(e).__name__}: {e})"
+                self._shutdown(stream.sock)
+                self._cond.notify_all()
+
+    def ready(self, worker: int, key: int, number: int) -> bool:
+        """Whether ``answer`` would not wait: call ``number``'s answer is here, or the link ended."""
+        with self._lock:
+            stream = self._streams.get((worker, key))
+            return stream is None or number in stream.answers or stream.ended is not None
+
+    def answer(self, worker: int, key: int, number: int, timeout: float | None):
+        """The answer to call ``number`` of (worker, key), once it has arrived; None if not within ``timeout``.
+
+        Raises:
+            StreamBroken: the link ended (the actor, its node or the connection was lost) before the answer came.
+        """
+        return self._wait(worker, key, timeout, lambda stream: stream.answers.pop(number, None),
+                          lambda why: self._lost(worker, key, number, why))  # fmt: skip
+
+    def wait_gone(self, links: list[tuple[int, int]], timeout: float) -> list[tuple[int, int]]:
+        """Wait up to ``timeout`` for the actors' ends of ``links`` (worker, key) to close (their processes gone);
+        returns those still open. Called before this end shuts them: a link that ended, the actor's end did."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                left = [k for k in links if (s := self._streams.get(k)) is not None and s.ended is None]
+                remaining = deadline - time.monotonic()
+                if not left or remaining <= 0:
+                    return left
+                self._cond.wait(remaining)
+
+    @staticmethod
+    def _lost(worker: int, key: int, number: int, why: str) -> str:
+        return f"the link of DataLoader worker {worker} (Ray actor start {key}) ended before answer {number}: {why}"
 
     @staticmethod
     def _broken(worker: int, key: int, index: int, why: str) -> str:
@@ -203,11 +287,13 @@ class Receiver:
                 stream.ended = "discarded"
             untaken = list(stream.frames.values())
             stream.frames.clear()
+            stream.answers.clear()
             self._shutdown(stream.sock)
             self._cond.notify_all()
         for slot_id, made in untaken:
             self._writer.abandon(slot_id, made)
-        stream.thread.join(JOIN_S)
+        if stream.thread is not threading.current_thread():
+            stream.thread.join(JOIN_S)
 
     def close(self) -> None:
         """Stop accepting, end every connection, give back every slot not taken, and join the threads (bounded).
@@ -235,7 +321,10 @@ class Receiver:
             self._writer.abandon(slot_id, made)
         deadline = time.monotonic() + JOIN_S
         for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+            # A loader dropped while one of these threads ran the garbage collector is stopped from that thread:
+            # it ends by itself once this returns (its socket is shut down).
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     def __enter__(self) -> Receiver:
         return self
@@ -368,6 +457,11 @@ class Receiver:
             if stream.ended is None:
                 stream.ended = why
             self._cond.notify_all()
+        self._news()
+
+    def _news(self) -> None:
+        if self._on_news is not None:
+            self._on_news()
 
     def _pump(self, stream: _Stream) -> None:
         """Read frames into claimed slots until the connection ends; each complete one is recorded for take()."""
@@ -388,6 +482,10 @@ class Receiver:
                     self._end(stream, f"connection cut inside a frame header ({got} of {FRAME.size} bytes)")
                     return
                 magic, index, nbytes = FRAME.unpack(header)
+                if magic == ANSWER_MAGIC and 0 < nbytes <= MAX_ANSWER_BYTES:
+                    if not self._take_answer(stream, index, nbytes):
+                        return
+                    continue
                 if magic != FRAME_MAGIC or not 0 < nbytes <= self.max_frame_bytes:
                     self._end(stream, f"garbage instead of a frame header (magic {magic!r}, {nbytes} bytes)")
                     return
@@ -432,6 +530,50 @@ class Receiver:
         finally:
             hview.release()
 
+    def _take_answer(self, stream: _Stream, number: int, nbytes: int) -> bool:
+        """Read answer ``number`` and record it for ``answer``; False when the link ended instead."""
+        payload = bytearray(nbytes)
+        try:
+            got = _fill(stream.sock, memoryview(payload))
+        except OSError as e:
+            self._end(stream, f"connection lost inside answer {number} ({type(e).__name__}: {e})")
+            return False
+        if got < nbytes:
+            self._end(stream, f"connection cut after {got} of answer {number}'s {nbytes} bytes")
+            return False
+        # Past the token: what this loader's own actor sent, in this framing (see the module's docstring).
+        answer = pickle.loads(payload)
+        with self._cond:
+            if self._streams.get((stream.worker, stream.key)) is not stream:
+                return False  # discarded or closed meanwhile: nobody will take it
+            twice = number in stream.answers
+            if not twice:
+                stream.answers[number] = answer
+                self._cond.notify_all()
+        if twice:
+            self._end(stream, f"answer {number} sent twice")
+            return False
+        self._news()
+        return True
+
+
+def _send_all(sock: socket.socket, bufs: list) -> None:
+    """``sendall`` of several buffers in as few ``sendmsg`` calls as the socket takes them in."""
+    bufs = collections.deque(b for b in bufs if len(b))
+    while bufs:
+        sent = sock.sendmsg(list(itertools.islice(bufs, IOV_MAX)))
+        while sent:
+            head = bufs[0]
+            if sent >= len(head):
+                sent -= len(head)
+                bufs.popleft()
+            else:
+                bufs[0] = head[sent:]
+                sent = 0
+
+
+IOV_MAX = 1024  # buffers one sendmsg takes (Linux's UIO_MAXIOV)
+
 
 class Sender:
     """An actor's end: one connection to the main process's ``Receiver``, frames sent in task order.
@@ -442,6 +584,7 @@ class Sender:
 
     def __init__(self, sock: socket.socket):
         self._sock: socket.socket | None = sock
+        self._lock = threading.Lock()  # batches and answers go out whole, one at a time, from any thread
 
     @classmethod
     def connect(cls, address: tuple[str, int], token: bytes, worker: int, key: int, timeout_s: float = 10.0,
@@ -478,16 +621,47 @@ class Sender:
         Raises:
             OSError: the connection failed, now or before; it is closed.
         """
-        sock = self._sock
-        if sock is None:
-            raise BrokenPipeError("the batch stream is closed")
         payload = memoryview(buf)
         if not payload.c_contiguous:
             raise ValueError("a streamed batch must be one contiguous buffer")
         payload = payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload
         if not payload.nbytes:
             raise ValueError("an empty batch has no bytes to stream")
-        header = FRAME.pack(FRAME_MAGIC, index, payload.nbytes)
+        with self._lock:
+            self._frame(FRAME.pack(FRAME_MAGIC, index, payload.nbytes), payload)
+
+    def send_pieces(self, index: int, pieces: list, nbytes: int) -> None:
+        """Send batch ``index``'s ``nbytes``, which are ``pieces`` (byte memoryviews) one after another, gathered
+        by the kernel from where they are (``sendmsg``), not copied into one buffer first.
+
+        Raises:
+            OSError: the connection failed, now or before; it is closed.
+        """
+        if not nbytes or sum(len(p) for p in pieces) != nbytes:
+            raise ValueError(f"a streamed batch's pieces must add up to its {nbytes} bytes, and to more than none")
+        with self._lock:
+            sock = self._sock
+            if sock is None:
+                raise BrokenPipeError("the batch stream is closed")
+            try:
+                _send_all(sock, [memoryview(FRAME.pack(FRAME_MAGIC, index, nbytes)), *pieces])
+            except BaseException:
+                self.close()  # the frame may be cut: the receiver must see the connection end, not a next header
+                raise
+
+    def answer(self, number: int, payload: bytes) -> None:
+        """Send the answer to call ``number`` (pickled by the caller).
+
+        Raises:
+            OSError: the connection failed, now or before; it is closed.
+        """
+        with self._lock:
+            self._frame(FRAME.pack(ANSWER_MAGIC, number, len(payload)), memoryview(payload))
+
+    def _frame(self, header: bytes, payload: memoryview) -> None:
+        sock = self._sock
+        if sock is None:
+            raise BrokenPipeError("the batch stream is closed")
         try:
             # One system call for the header and as much of the payload as the socket takes, then the rest.
             sent = sock.sendmsg([header, payload])
@@ -500,9 +674,32 @@ class Sender:
             self.close()  # the frame may be cut: the receiver must see the connection end, not a next header
             raise
 
+    def task(self) -> tuple[int, object] | None:
+        """The next call the loader sent (its number and message), waiting for it; None once the link ended.
+        Only one thread reads."""
+        sock = self._sock
+        header = bytearray(FRAME.size)
+        try:
+            if sock is None or _fill(sock, memoryview(header)) < FRAME.size:
+                return None
+            magic, number, nbytes = FRAME.unpack(header)
+            if magic != TASK_MAGIC or not 0 < nbytes <= MAX_ANSWER_BYTES:
+                return None
+            payload = bytearray(nbytes)
+            if _fill(sock, memoryview(payload)) < nbytes:
+                return None
+        except OSError:
+            return None
+        # What the loader sent: this actor connected to the address and token the pool gave it through Ray.
+        return number, pickle.loads(payload)
+
     def close(self) -> None:
         sock, self._sock = self._sock, None
         if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked reading it (close alone would not)
+            except OSError:
+                pass
             sock.close()
 
     def __enter__(self) -> Sender:
