@@ -77,8 +77,13 @@ def test_quick_run_measures_every_part_on_a_loopback_cluster(quick_report):
             assert rec["worker_paths"] == [path, path]
             assert rec["batch_bytes"] == over["batch_bytes"] and rec["bytes_per_s"] > 0
             assert rec["main_cpu_s_per_batch"] > 0 and rec["actors_left"] == 0
+            assert 0 < rec["loop_cpu_s_per_batch"] <= rec["main_cpu_s_per_batch"] * 1.01  # its own thread's share
     for r in rows.values():
         assert r["vs"]["throughput"]["median"] > 0 and r["vs"]["main_cpu"]["median"] > 0
+        assert r["vs"]["loop_cpu"]["median"] > 0 and r["vs"]["wire"]["median"] > 0
+    wire = over["wire"]  # bare loopback TCP, each round
+    assert len(wire["rounds"]) == res["params"]["rounds"] and wire["gb_per_s"]["min"] > 0
+    assert all(rec["batch_bytes"] == over["batch_bytes"] for rec in wire["rounds"])
     receive = res["receive"]
     assert receive["batches_per_s"]["median"] > 0 and receive["batch_bytes"] == 64 * 3 * 64 * 64
     assert receive["worker_paths"] == ["stream"] * receive["actors"]  # the other nodes' actors, path auto
@@ -119,9 +124,10 @@ def test_quick_run_prints_its_tables_and_targets_read_them(quick_report):
     assert not TARGET.search(tables) and not TARGET.search(output)
     found = {c.where for c in targets.checks(rep)}
     assert found == {f"ray scaling {n} actors" for n in rep["workloads"]["ray"]["result"]["params"]["actors"]}
+    assert "| bare TCP between two processes of this machine (loopback) |" in tables
     keys = {(r["key"], r["figure"]) for r in report.figure_rows(rep)}
-    for path in ("shm", "stream", "object store"):
-        assert {(f"overhead ray {path}/process", "throughput"), (f"overhead ray {path}/process", "main_cpu_s")} <= keys
+    for key in ("overhead ray shm/process", "overhead ray stream/process", "overhead ray/process"):
+        assert {(key, "throughput"), (key, "main_cpu_s"), (key, "loop_cpu_s")} <= keys
 
 
 @needs_ray
@@ -186,8 +192,10 @@ def _row(n: int, ratio: float, t_batch: float = 0.1) -> dict:
 
 def _paths_row(where: str, env: str, path: str, gb: float, cpu_ms: float, vs: float) -> dict:
     return {"where": where, "path_env": env, "path": path, "gb_per_s": _stats(gb), "main_cpu_ms_per_batch":
-            _stats(cpu_ms), "ttfb_s": 1.2, "rounds": [{"worker_paths": [path, path]}] * 2,
-            "vs": {"throughput": _stats(vs, vs - 0.1, vs + 0.1), "main_cpu": _stats(cpu_ms)}}  # over 1 ms a batch
+            _stats(cpu_ms), "loop_cpu_ms_per_batch": _stats(cpu_ms / 4), "ttfb_s": 1.2,
+            "rounds": [{"worker_paths": [path, path]}] * 2,
+            "vs": {"throughput": _stats(vs, vs - 0.1, vs + 0.1), "main_cpu": _stats(cpu_ms),  # over 1 ms a batch
+                   "loop_cpu": _stats(cpu_ms), "wire": _stats(vs * 2)}}  # over 0.25 ms, and 1.5 GB/s
 
 
 def test_markdown_rows_and_targets_of_a_ray_result():
@@ -197,7 +205,10 @@ def test_markdown_rows_and_targets_of_a_ray_result():
         "workload": "ray",
         "overhead": {"batch_bytes": 9633792, "num_workers": 2,
                      "process": {"gb_per_s": _stats(3.0, 2.5, 3.5), "main_cpu_ms_per_batch": _stats(1.0),
-                                 "ttfb_s": 0.05, "rounds": [{"worker_paths": ["process", "process"]}] * 2},
+                                 "loop_cpu_ms_per_batch": _stats(0.25), "ttfb_s": 0.05,
+                                 "rounds": [{"worker_paths": ["process", "process"]}] * 2},
+                     "wire": {"gb_per_s": _stats(1.5), "main_cpu_ms_per_batch": _stats(1.1),
+                              "vs": {"throughput": _stats(0.5)}},
                      "rows": {"trainer node": _paths_row("the trainer's node", "auto", "shm", 2.7, 0.5, 0.9),
                               "other node": _paths_row("another node", "auto", "stream", 1.8, 2.0, 0.6),
                               "other node, store": _paths_row("another node", "store", "object store", 0.6, 5.0,
@@ -216,12 +227,18 @@ def test_markdown_rows_and_targets_of_a_ray_result():
     }
     rep = {"schema": report.SCHEMA, "workloads": {"ray": {"kind": "ray", "result": res}}}
     text = report.markdown(rep)
-    assert '| worker_type="process" | process | 3.00 (2.50-3.50) | - | 1.00 (1.00-1.00) ms | - | 50 ms |' in text
+    assert "| loop thread CPU per batch | process CPU per batch |" in text
+    assert ('| worker_type="process" | process | 3.00 (2.50-3.50) | - | 0.25 (0.25-0.25) ms | 1.00 (1.00-1.00) ms | '
+            "50 ms |") in text
     assert ('| worker_type="ray" on the trainer\'s node | shm | 2.70 (2.70-2.70) | **0.90x** (0.80-1.00) | '
-            "0.50 (0.50-0.50) ms | **0.50x** (0.50-0.50) | 1,200 ms |") in text
-    assert '| worker_type="ray" on another node | stream | 1.80 (1.80-1.80) | **0.60x** (0.50-0.70) |' in text
+            "0.12 (0.12-0.12) ms | 0.50 (0.50-0.50) ms | 1,200 ms |") in text
+    assert ('| worker_type="ray" on another node | stream | 1.80 (1.80-1.80) | **0.60x** (0.50-0.70) | 0.50 '
+            "(0.50-0.50) ms | 2.00 (2.00-2.00) ms |") in text
     assert ('| worker_type="ray" on another node, FASTFEED_RAY_PATH=store | object store | 0.60 (0.60-0.60) | '
             "**0.20x** (0.10-0.30) |") in text
+    assert ("| bare TCP between two processes of this machine (loopback) | - | 1.50 (1.50-1.50) | 0.50x (0.50-0.50) "
+            "| - | 1.10 (1.10-1.10) ms | - |") in text
+    assert "The stream reaches **1.20x** (1.20-1.20) of bare loopback TCP" in text
     assert "from 8 actors (path stream) with no cost per sample" in text
     assert "| actors (t_batch 100 ms, path stream) |" in text and "2 cores, actors path stream) |" in text
     assert "| 8 | 56.0 (56.0-56.0) | 80.0 | **0.70x** (0.70-0.70) |" in text
@@ -230,7 +247,8 @@ def test_markdown_rows_and_targets_of_a_ray_result():
     rows = {(r["key"], r["figure"]): (r["median"], r["numerator"], r["denominator"]) for r in report.figure_rows(rep)}
     assert rows[("overhead ray shm/process", "throughput")] == (0.9, 2.7, 3.0)
     assert rows[("overhead ray stream/process", "main_cpu_s")] == (2.0, 2.0, 1.0)
-    assert rows[("overhead ray object store/process", "throughput")] == (0.2, 0.6, 3.0)
+    assert rows[("overhead ray stream/process", "loop_cpu_s")] == (2.0, 0.5, 0.25)
+    assert rows[("overhead ray/process", "throughput")] == (0.2, 0.6, 3.0)  # the store's: as reports before paths
     rows = {key: median for key, (median, _, _) in rows.items()}
     assert rows[("scaling 16 actors", "throughput_vs_ideal")] == 0.5
     assert rows[("mixed process 1 + ray 1 / process 1", "throughput")] == 1.5
@@ -294,7 +312,7 @@ def test_a_row_whose_workers_took_another_path_stops_the_overhead_part(monkeypat
 
     def trial(make, env, warmup, batches, windows=1):
         return {"ttfb_s": 0.1, "actors_left": 0, "worker_paths": next(taken),
-                "windows": [{"bytes_per_s": 1e9, "main_cpu_s_per_batch": 1e-3}]}
+                "windows": [{"bytes_per_s": 1e9, "main_cpu_s_per_batch": 1e-3, "loop_cpu_s_per_batch": 1e-4}]}
 
     monkeypatch.setattr(suite, "noted_trial", trial)
     args = types.SimpleNamespace(warmup=1, batches=1, pool_items=1, rounds=1)

@@ -15,10 +15,11 @@ then copied into a slot). The cluster is shut down at the end; the result says h
             each actor making its own pool from the dataset's spec, not receiving it), num_workers=2 of: processes
             (worker_type="process"); Ray actors on the loop's node (the head's resource; path auto: shm); on
             another node (auto: stream); on another node with FASTFEED_RAY_PATH=store (the object store, the
-            fallback). Per round one fresh loader of each, each in every place of the order in turn, --warmup
-            untimed batches, then --batches timed: GB/s, and the loop's CPU per batch (this process, every thread:
-            Ray's driver threads and the stream's reader are the loop's cost too); each Ray row over the same
-            round's processes. Medians over rounds, min-max. The path every worker took (stats().worker_paths) is
+            fallback); and bare TCP between two processes of this machine (ray_trials.wire: the stream's ceiling
+            here). Per round one fresh loader of each, each in every place of the order in turn, --warmup
+            untimed batches, then --batches timed: GB/s, and CPU per batch of the loop's own thread (the one that
+            would launch a GPU's work) and of this whole process (every thread: Ray's driver threads and the
+            stream's readers too); each Ray row over the same round's processes, the stream's also over the wire. Medians over rounds, min-max. The path every worker took (stats().worker_paths) is
             recorded, and one that is not its row's stops the run: no row measures another path under its name.
   receive   the rate at which the loop can receive: the scaling batches (64 uint8 of --scale-shape) with no
             cost, from --receive-actors actors: batches/s and GB/s, over --windows timed windows.
@@ -39,22 +40,23 @@ Run: .venv/bin/python benchmarks/ray.py [--quick] [--rounds N] [--actors 1 2 4 8
 (or fastfeed bench ray, which writes a report). Needs ray: pip install 'fastfeed[ray]'.
 
 Measured:
-  (2026-12-04, 2-core VM, no other run during it but one process at 22% CPU for one 2-second sample, torch 2.13
-  CPU, ray 2.60.0, commit 57e4265 with the Ray paths change uncommitted, `fastfeed bench ray --out DIR`: 3 min 5 s
-  to the report; cluster up in 4.4 s; docs/bench/ray.json)
-  overhead 9.6 MB nw=2        GB/s                / process           loop CPU ms/batch   / process  first batch
-    process                   10.05 (8.76-10.79)  -                   0.15 (0.13-0.18)    -          39 ms
-    ray, loop's node (shm)     5.80 (3.62-6.56)   0.56x (0.34-0.75)   0.89 (0.75-1.46)    6.3x       2,160 ms
-    ray, other node (stream)   1.97 (1.75-2.05)   0.20x (0.16-0.23)   3.88 (3.52-3.98)    25.8x      2,218 ms
-    ray, other node, store     0.64 (0.46-0.67)   0.06x (0.05-0.07)   4.20 (4.03-4.89)    30.5x      2,170 ms
-  receive 0.79 MB, 8 actors (stream)  525.5 batches/s (491.4-580.2), 0.413 GB/s
-  scaling (t_batch 161 ms measured, 150 ms of sleep; stream; no count reached the receive cap), measured / ideal:
-    1 actor 6.3 batches/s 1.02x   2: 12.8, 1.03x   4: 26.3, 1.06x   8: 52.8, 1.06x   16: 96.1 of 99.3, 0.97x
-  mixed (32 ms of CPU a batch): process 1 30.8 batches/s; process 1 + ray 1 (stream) 54.6, 1.77x (1.72-1.79);
-    process 2 57.8, 1.88x (1.86-1.91).
+  (2026-12-05, 2-core VM, quiet, torch 2.13 CPU, ray 2.60.0, the link change uncommitted on 79bdae5, `fastfeed bench
+  ray --out DIR`: 2 min 49 s to the report; docs/bench/ray.json)
+  overhead 9.6 MB nw=2        GB/s                / process          loop thread ms/batch  process ms/batch
+    process                   12.01 (11.40-12.27)  -                  0.13                  0.13
+    ray, loop's node (shm)    12.21 (10.94-12.75)  1.03x (0.94-1.05)  0.21                  0.40
+    ray, other node (stream)   3.74 (3.37-3.96)    0.31x (0.27-0.35)  0.35                  2.87
+    ray, other node, store     0.70 (0.61-0.72)    0.06x (0.05-0.06)  2.03                  3.82
+    bare loopback TCP          4.16 (2.17-4.42)    0.34x (0.18-0.39)  -                     1.19
+    the stream over bare loopback TCP: 0.94x (0.81-1.61)
+  receive 0.79 MB, 8 actors (stream)  1144.5 batches/s (593.6-1338.5), 0.900 GB/s
+  scaling (t_batch 156 ms measured, 150 ms of sleep; stream; no count reached the receive cap), measured / ideal:
+    1 actor 6.4 batches/s 1.00x   2: 12.8, 1.00x   4: 25.5, 1.00x   8: 50.5, 0.99x   16: 96.9 of 102.3, 0.95x
+  mixed (32 ms of CPU a batch): process 1 30.8 batches/s; process 1 + ray 1 (stream) 58.6, 1.90x (1.81-1.95);
+    process 2 58.2, 1.89x (1.82-1.93).
   Left behind: 0 actors, 0 processes, 0 /dev/shm entries.
-  The run before it (same day, other tests running through its last parts) measured overhead within these ranges:
-  shm 0.46x at 0.94 ms, stream 0.18x at 3.85 ms, store 0.06x at 4.18 ms.
+  Before the link (2026-12-04, tasks and answers through Ray's calls): shm 0.56x at 0.89 ms of the process's CPU,
+  stream 0.20x at 3.88 ms, store 0.06x at 4.20 ms; receive 525.5 batches/s.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ from typing import Any, Callable
 
 from .. import extras, workloads
 from .ray_cluster import TRAINER_RESOURCE, LocalCluster, wait_actors_gone
-from .ray_trials import BATCH, Costly, batch_seconds, new_loader, stats, steady
+from .ray_trials import BATCH, Costly, batch_seconds, new_loader, stats, steady, wire
 
 OVERHEAD_WORKERS = 2
 PARTS = ("overhead", "receive", "scaling", "mixed")
@@ -83,6 +85,7 @@ PATH_ENV = "FASTFEED_RAY_PATH"  # read by the loader's Ray pool as it starts (fa
 # trainer node's actors ask for the head's resource (no CPUs: the head has none); the others ask for a CPU, which
 # only the other nodes have. The path each row's workers took is checked, so a row that fell back (a stream that
 # could not connect, say) fails the run instead of being measured under the wrong name.
+WIRE = "loopback TCP"  # the overhead part's reference for the stream: bare bytes over a socket (ray_trials.wire)
 OVERHEAD_ROWS = (
     ("trainer node", "auto", {"num_cpus": 0, "resources": {TRAINER_RESOURCE: 1}}, "shm", "the trainer's node"),
     ("other node", "auto", {"num_cpus": 1}, "stream", "another node"),
@@ -146,10 +149,16 @@ def overhead_part(args, say: Callable = print) -> dict:
     sides: dict[str, tuple] = {"process": (lambda: new_loader(ds, "process", OVERHEAD_WORKERS), "auto", "process")}
     for name, env, options, path, _ in OVERHEAD_ROWS:
         sides[name] = (lambda o=options: new_loader(ds, "ray", OVERHEAD_WORKERS, ray_options=o), env, path)
-    names = list(sides)
+    names = [*sides, WIRE]
     runs: dict[str, list[dict]] = {k: [] for k in names}
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:  # each side in each place in turn
+            if name == WIRE:
+                win = wire(BATCH * workloads.IMAGE_BYTES, n)
+                runs[name].append(dict(win, round=r))
+                say(f"  ray overhead round {r + 1}: {name:17} {'-':12} {win['bytes_per_s'] / 1e9:6.2f} GB/s, "
+                    f"process CPU {win['main_cpu_s_per_batch'] * 1e3:6.2f} ms/batch")  # fmt: skip
+                continue
             make, env, path = sides[name]
             rec = noted_trial(make, env, args.warmup, args.batches)
             if rec["worker_paths"] != [path] * OVERHEAD_WORKERS:
@@ -159,21 +168,30 @@ def overhead_part(args, say: Callable = print) -> dict:
                     "fastfeed logger says why a worker fell back")  # fmt: skip
             win = rec.pop("windows")[0]
             runs[name].append(dict(rec, **win, round=r))
-            say(f"  ray overhead round {r + 1}: {name:17} {path:12} {win['bytes_per_s'] / 1e9:6.2f} GB/s, loop CPU "
-                f"{win['main_cpu_s_per_batch'] * 1e3:6.2f} ms/batch, first batch {rec['ttfb_s'] * 1e3:6.0f} ms")
+            say(f"  ray overhead round {r + 1}: {name:17} {path:12} {win['bytes_per_s'] / 1e9:6.2f} GB/s, loop "
+                f"thread CPU {win['loop_cpu_s_per_batch'] * 1e3:5.2f} ms/batch, process CPU "
+                f"{win['main_cpu_s_per_batch'] * 1e3:5.2f}, first batch {rec['ttfb_s'] * 1e3:6.0f} ms")
     out: dict[str, Any] = {"batch_bytes": BATCH * workloads.IMAGE_BYTES, "num_workers": OVERHEAD_WORKERS,
                            "pool_mb": round(args.pool_items * workloads.IMAGE_BYTES / 1e6, 1), "rows": {}}
     for name, recs in runs.items():
         figs = {"gb_per_s": stats([x["bytes_per_s"] / 1e9 for x in recs]),
-                "main_cpu_ms_per_batch": stats([x["main_cpu_s_per_batch"] * 1e3 for x in recs]),
-                "ttfb_s": statistics.median(x["ttfb_s"] for x in recs), "rounds": recs}  # fmt: skip
+                "main_cpu_ms_per_batch": stats([x["main_cpu_s_per_batch"] * 1e3 for x in recs]), "rounds": recs}
+        if name == WIRE:
+            figs["vs"] = {"throughput": stats([a["bytes_per_s"] / b["bytes_per_s"]
+                                               for a, b in zip(recs, runs["process"])])}  # fmt: skip
+            out["wire"] = figs
+            continue
+        figs["loop_cpu_ms_per_batch"] = stats([x["loop_cpu_s_per_batch"] * 1e3 for x in recs])
+        figs["ttfb_s"] = statistics.median(x["ttfb_s"] for x in recs)
         if name == "process":
             out["process"] = figs
             continue
         _, env, options, path, where = next(row for row in OVERHEAD_ROWS if row[0] == name)
         pairs = list(zip(recs, runs["process"]))  # the same round's process loader
         figs["vs"] = {"throughput": stats([a["bytes_per_s"] / b["bytes_per_s"] for a, b in pairs]),
-                      "main_cpu": stats([a["main_cpu_s_per_batch"] / b["main_cpu_s_per_batch"] for a, b in pairs])}
+                      "main_cpu": stats([a["main_cpu_s_per_batch"] / b["main_cpu_s_per_batch"] for a, b in pairs]),
+                      "loop_cpu": stats([a["loop_cpu_s_per_batch"] / b["loop_cpu_s_per_batch"] for a, b in pairs]),
+                      "wire": stats([a["bytes_per_s"] / b["bytes_per_s"] for a, b in zip(recs, runs[WIRE])])}
         out["rows"][name] = dict(where=where, path=path, path_env=env, ray_options=options, **figs)
     return out
 

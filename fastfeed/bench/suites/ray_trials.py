@@ -76,7 +76,8 @@ def batch_seconds(ds: Costly, batches: int = 3) -> float:
 def steady(make_loader: Callable[[], Any], warmup: int, batches: int, windows: int = 1) -> dict:
     """One fresh loader: its first batch, ``warmup - 1`` more untimed, then ``windows`` timed runs of ``batches``.
 
-    Each window: seconds, batches/s, bytes/s and this process's CPU seconds per batch. When the loader is gone,
+    Each window: seconds, batches/s, bytes/s, and CPU seconds per batch of this process (every thread: Ray's, a
+    stream's reader) and of the loop's own thread (the one that would launch the GPU's work). When the loader is gone,
     the actors still alive are counted (after waiting for them to end).
     """
     loader = it = None
@@ -94,11 +95,13 @@ def steady(make_loader: Callable[[], Any], warmup: int, batches: int, windows: i
             touch(next(it))
         out = []
         for _ in range(windows):
-            cpu0, w0 = main_cpu_s(), time.perf_counter()
+            cpu0, loop0, w0 = main_cpu_s(), time.thread_time(), time.perf_counter()
             nbytes = sum(touch(next(it)) for _ in range(batches))
             seconds, cpu = time.perf_counter() - w0, main_cpu_s() - cpu0
+            loop = time.thread_time() - loop0
             out.append(dict(seconds=seconds, batches_per_s=batches / seconds, bytes_per_s=nbytes / seconds,
-                            main_cpu_s_per_batch=cpu / batches, batch_bytes=nbytes / batches))  # fmt: skip
+                            main_cpu_s_per_batch=cpu / batches, loop_cpu_s_per_batch=loop / batches,
+                            batch_bytes=nbytes / batches))  # fmt: skip
     finally:
         del it, loader
         gc.collect()
@@ -117,3 +120,49 @@ def new_loader(ds: Dataset, worker_type, num_workers, ray_options: dict | None =
 def stats(values: list[float]) -> dict:
     """Median, min and max of ``values``."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+# A sender of --batches buffers of --nbytes over one TCP connection: run as its own process, as an actor is.
+_WIRE_SENDER = """
+import socket, sys
+import numpy as np
+host, port, nbytes, batches = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+buf = memoryview(np.ones(nbytes, np.uint8))
+with socket.create_connection((host, port)) as sock:
+    for _ in range(batches):
+        sock.sendall(buf)
+"""
+
+
+def wire(nbytes: int, batches: int, host: str = "127.0.0.1") -> dict:
+    """A bare TCP stream on this machine: another process sends ``batches`` buffers of ``nbytes`` over one
+    connection, this one reads each with ``recv_into`` into one buffer. GB/s and this process's CPU per batch: what
+    the stream path could reach here if it did nothing but move the bytes (no batch made, none touched)."""
+    import socket
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    dest = np.empty(nbytes, np.uint8)
+    view = memoryview(dest)
+    with socket.create_server((host, 0)) as server:
+        sender = subprocess.Popen([sys.executable, "-c", _WIRE_SENDER, host, str(server.getsockname()[1]),
+                                   str(nbytes), str(batches)])  # fmt: skip
+        try:
+            server.settimeout(30)
+            conn, _ = server.accept()
+            with conn:
+                cpu0, w0 = main_cpu_s(), time.perf_counter()
+                for _ in range(batches):
+                    got = 0
+                    while got < nbytes:
+                        n = conn.recv_into(view[got:], nbytes - got)
+                        if not n:
+                            raise ConnectionError(f"the wire's sender ended after {got} of {nbytes} bytes")
+                        got += n
+                seconds, cpu = time.perf_counter() - w0, main_cpu_s() - cpu0
+        finally:
+            sender.wait(30)
+    return dict(seconds=seconds, bytes_per_s=nbytes * batches / seconds, main_cpu_s_per_batch=cpu / batches,
+                batch_bytes=nbytes)
