@@ -155,16 +155,22 @@ def test_overhead_stats(tmp_path, bench_env):
 @pytest.mark.fastfeed_only
 @pytest.mark.hang_limit(300)
 def test_tune_benchmark(tmp_path, bench_env):
-    """tune.py --quick compares fastfeed.tune() with the grid on two workloads; targets.py checks each target."""
-    proc = subprocess.run([sys.executable, str(BENCH / "tune.py"), "--quick", "--out", str(tmp_path)], cwd=REPO,
-                          env=bench_env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    """tune.py --quick compares fastfeed.tune() with the grid on two workloads; targets.py checks each target.
+
+    --max-workers 1: the grid is nw 0, and nw 1 x each prefetch (5 settings, not --quick's 9), and the tuner's
+    search as short; the harness (grid, knee, reruns, head to head, the table, the targets) runs the same."""
+    proc = subprocess.run([sys.executable, str(BENCH / "tune.py"), "--quick", "--max-workers", "1", "--out",
+                           str(tmp_path)], cwd=REPO, env=bench_env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (json_path,) = tmp_path.glob("tune-*.json")
     rows = json.loads(json_path.read_text())["rows"]
+    assert json.loads(json_path.read_text())["max_workers"] == 1
     assert [r["workload"] for r in rows] == ["(b) latency", "(c) step"]
     for row in rows:
         assert "checks" not in row
-        assert len(row["grid"]) == 1 + 2 * 4  # nw 0, and nw 1..2 x prefetch 1, 2, 4, 8
+        assert sorted(row["grid"]) == sorted(["nw=0 pf=- process"] + [f"nw=1 pf={pf} process" for pf in (1, 2, 4, 8)])
+        assert all(s.startswith(("nw=0 ", "nw=1 ")) for s in row["chosen"])  # the tuner kept to --max-workers
     checks = targets.tune_checks(rows)
     assert [c.where for c in checks] == ["tune (b) latency"] * 4 + ["tune (c) step"] * 5  # (c): not input-bound too
     assert "| workload |" in proc.stdout and "# targets: " in proc.stdout
@@ -323,12 +329,13 @@ def test_prefetch(tmp_path, bench_env):
 def test_demo(tmp_path, bench_env):
     """demo.py runs the transport and overhead questions, prints one table row of figures per comparison (no
     target), runs a torch script unchanged and under `fastfeed run` (which replaces its loader and leaves nothing
-    behind), and ends with the doctor's verdict on its built-in scenario."""
-    proc = subprocess.run([sys.executable, str(BENCH / "demo.py"), "--quick", "--out", str(tmp_path)],
+    behind), and ends with the doctor's verdict on its built-in scenario. One round of the comparisons (--quick's
+    is 2): the table, figures and files are the same for any number of rounds."""
+    proc = subprocess.run([sys.executable, str(BENCH / "demo.py"), "--quick", "--rounds", "1", "--out", str(tmp_path)],
                           cwd=REPO, env=bench_env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(next(tmp_path.glob("demo-*.json")).read_text())
-    assert len(result["summary"]) == 5
+    assert len(result["summary"]) == 5 and result["params"]["rounds"] == 1
     assert all(key in proc.stdout for key in result["summary"])
     assert not TARGET.search(proc.stdout), [line for line in proc.stdout.splitlines() if TARGET.search(line)]
     example = json.loads((tmp_path / "fastfeed-run.json").read_text())
