@@ -317,7 +317,7 @@ class Hooks:
         seen.epochs.append(_Epoch(rec, it, ready_known=False))
         self._counted(rec, seen.epochs[-1])
         if isinstance(it, _BaseDataLoaderIter):
-            inner = it._next_data  # torch's __next__ calls it; an instance attribute comes first
+            inner = _weak_next_data(it)  # torch's __next__ calls it; an instance attribute comes first
 
             def _next_data():
                 asked = time.perf_counter()
@@ -380,6 +380,21 @@ class Hooks:
         for seen in self.seen.values():
             seen.loader = None
         self._batches.clear()
+
+
+def _weak_next_data(it) -> Callable[[], object]:
+    """``it._next_data`` as a callable that holds ``it`` weakly.
+
+    The doctor's wrapper is stored on the iterator: through a bound method it would hold the iterator, a cycle, and
+    an iterator the script drops would then stop its workers only when the garbage collector next runs (inside
+    whatever the process does then, where torch's shutdown can wait out its 5 s join timeout) instead of at once,
+    in torch's ``__del__``. torch's ``__next__``, which calls it, holds the iterator alive meanwhile.
+    """
+    inner = it._next_data
+    if getattr(inner, "__self__", None) is not it:  # already an instance attribute: called as it is
+        return inner
+    method = weakref.WeakMethod(inner)
+    return lambda: method()()
 
 
 class _Timed:
