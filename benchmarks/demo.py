@@ -7,7 +7,7 @@ Runs benchmarks/transport.py and benchmarks/overhead.py with their default setti
 minute and a half on 2 cores against torch; less as fastfeed is faster), then prints one row
 per comparison. Throughput: higher is better; main-process CPU, peak PSS, time to first
 batch: lower is better. The full figures go to bench-results/demo-<timestamp>.json and .csv, fastfeed run's to
-bench-results/fastfeed-run.json, the doctor's report (text, JSON, PNG timeline, Perfetto trace) to
+bench-results/fastfeed-run.json, the doctor's report (text, JSON, HTML page, PNG timeline, Perfetto trace) to
 bench-results/doctor-demo/.
 
 Run: .venv/bin/python benchmarks/demo.py [--quick] [--rounds N] [--epoch-batches 0 60] [--out DIR]
@@ -16,7 +16,7 @@ Transport runs in steady state (one long iterator) unless --epoch-batches says o
 (benchmarks/transport.py's own default is epochs of 60 and 300).
 
 Measured (paste the table of a full run here):
-  See the README's table: the demo runs the transport and overhead questions in fewer rounds.
+  See docs/benchmarks/standard.md's tables: the demo runs the transport and overhead questions in fewer rounds.
 """
 
 from __future__ import annotations
@@ -121,7 +121,8 @@ def main(argv=None) -> dict:
     doctor = [sys.executable, "-m", "fastfeed", "doctor", "--out", str(out), *(["--steps", "100"] if args.quick else []),
               "--demo"]  # fmt: skip
     subprocess.run(doctor, check=True, cwd=Path(__file__).resolve().parent.parent)
-    print(f"\nThe doctor's {json.loads((out / 'report.json').read_text())['verdict']['line']} (report in {out})")
+    print(f"\nThe doctor's {json.loads((out / 'report.json').read_text())['verdict']['line']} (report in {out}; "
+          f"open {out / 'report.html'} in a browser)")
     return result
 
 

@@ -193,14 +193,15 @@ def test_a_script_on_torchs_own_loader_without_workers():
 
 
 def test_the_text_report_opens_with_the_verdict_and_out_writes_every_file(tmp_path):
-    """The text's first line is the verdict; --out writes the JSON, text, timeline, trace and PNG."""
+    """The text's first line is the verdict; --out writes the JSON, text, HTML page, timeline, trace and PNG."""
     out = tmp_path / "report"
     cmd = [sys.executable, "-m", "fastfeed", "doctor", "--steps", "40", "--no-whatif", "--out", str(out), "--demo"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[0].startswith("verdict: ")
-    for name in ("report.json", "report.txt", "timeline.json", "trace.json", "timeline.png"):
+    for name in ("report.json", "report.txt", "report.html", "timeline.json", "trace.json", "timeline.png"):
         assert (out / name).stat().st_size > 0, name
+    assert (out / "report.html").read_text().lstrip().lower().startswith("<!doctype html")
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -8,8 +8,10 @@ two nodes on loopback. Each asserts the job's verdict, its stragglers and every 
 
 from __future__ import annotations
 
+import html
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -58,7 +60,7 @@ def _doctor(*args: str) -> list[str]:
 def run_job(mode: str, scenario: list[str], out: Path, steps: int = STEPS, whatif: bool = False,
             timeout: float = 150) -> dict:  # fmt: skip
     """The job's report.json, from ``mode``: launch (fastfeed's launcher), torchrun, or two_nodes."""
-    opts = ["--steps", str(steps), "--out", str(out), *([] if whatif else ["--no-whatif"])]
+    opts = ["--steps", str(steps), "--out", str(out), "--html", *([] if whatif else ["--no-whatif"])]
     if mode == "launch":
         runs = [_doctor("--nproc-per-node", "2", *opts, SCRIPT, *scenario)]
     elif mode == "torchrun":
@@ -116,10 +118,17 @@ def check(name: str, d: dict) -> None:
 
 
 def check_text(out: Path, d: dict) -> None:
-    """report.txt: the job's verdict line first, then a line per rank."""
+    """report.txt: the job's verdict line first, then a line per rank; report.html (--html): the verdict first, a
+    lane per rank."""
     text = (out / "report.txt").read_text().splitlines()
     assert text[0] == d["job"]["verdict"]["line"]
     assert [line.split(":")[0].strip().split(" (")[0] for line in text[2:4]] == ["rank 0", "rank 1"], text
+    page = (out / "report.html").read_text()
+    body = page[page.index("<body>"):]
+    assert body.startswith(f'<body>\n<p id="verdict" class="verdict sev-{d["job"]["verdict"]["severity"]}">'
+                           f'{html.escape(d["job"]["verdict"]["line"])}</p>'), body[:300]  # fmt: skip
+    data = json.loads(re.search(r'<script type="application/json" id="ff-data">(.*?)</script>', page, re.S)[1])
+    assert [lane["key"] for lane in data["tracks"][0]["lanes"]] == ["rank-0", "rank-1"]
 
 
 # Every scenario under every launcher, but "one slow rank" under fastfeed's launcher: the closing launch's test below

@@ -1,9 +1,15 @@
-"""``fastfeed doctor [--steps 300] [--out DIR] [--no-whatif] [--json] (SCRIPT | -m MODULE | --demo) [ARGS...]``
+"""``fastfeed doctor [--steps 300] [--out DIR] [--html] [--no-whatif] [--json] (SCRIPT | -m MODULE | --demo) [ARGS...]``
 
 (``--demo`` comes last: what follows it is the scenario's own arguments.)
 
 Runs the script (``python SCRIPT ARGS`` through ``runpy``, in this process) for ``--steps`` batches, then the
 what-if runs, then prints the verdict. Works on scripts that use torch's own DataLoader as well as fastfeed's.
+
+``--out DIR`` writes the report there: report.json, report.txt, timeline.png, trace.json (Perfetto) and
+report.html, one self-contained HTML page (``--html`` without ``--out`` writes only that page, in the current
+directory): the verdict, a zoomable timeline (stalls, steps, workers, CPU and GPU; a lane per rank for a job), the
+six questions, the advice (predicted against measured) and the what-if runs. It loads nothing from the network:
+open it offline, attach it to an issue or keep it as a CI artifact.
 
 A job of several ranks: ``fastfeed doctor --nproc-per-node N [--nnodes M --node-rank R --rdzv-endpoint H:P]
 SCRIPT ARGS`` launches it as torchrun does (``launch``), or ``torchrun ... -m fastfeed doctor SCRIPT ARGS`` runs
@@ -19,9 +25,11 @@ import sys
 
 from .. import _script
 from . import jobstore, script, whatif
+from .report import write_page
 from .script import say
 
 DEMO = "fastfeed.doctor.demo"
+HTML_NAME = "report.html"  # --html without --out: in the current directory
 
 
 
@@ -76,7 +84,11 @@ def add_parser(sub) -> None:
     p = sub.add_parser("doctor", help="run a training script, measure why the GPU idles, and check the advice",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--steps", type=int, default=300, help="batches to measure (default 300)")
-    p.add_argument("--out", help="directory for report.json, report.txt, timeline.png, trace.json (Perfetto)")
+    p.add_argument("--out", help="directory for report.json, report.txt, report.html, timeline.png, trace.json "
+                   "(Perfetto)")  # fmt: skip
+    p.add_argument("--html", action="store_true", help="write report.html, one self-contained page (verdict, "
+                   "zoomable timeline, questions, advice, what-ifs) that opens offline, in the current directory "
+                   "(--out writes it there anyway)")  # fmt: skip
     p.add_argument("--no-whatif", dest="whatif", action="store_false", help="measure only; no what-if runs")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of the text")
     p.add_argument("-m", dest="module", action="store_true", help="SCRIPT is a module name, as python -m")
@@ -118,9 +130,13 @@ def main(args) -> int:
 
 def _show(report, args) -> int:
     if args.out:
-        paths = report.save(args.out)
-        for kind, path in paths.items():
-            say(f"{kind}: {path}")
+        paths = report.save(args.out, html=True)
+    elif args.html:
+        paths = {"html": write_page(HTML_NAME, report.html())}
+    else:
+        paths = {}
+    for kind, path in paths.items():
+        say(f"{kind}: {path}")
     d = report.to_dict()
     print(json.dumps(d, indent=2, default=str) if args.json else report.summary(d))
     return 0

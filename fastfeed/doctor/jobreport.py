@@ -19,7 +19,7 @@ from __future__ import annotations
 from .evidence import ms
 from .jobverdict import JobVerdict, judge
 from .ranks import RankRecord
-from .report import Report, write_texts
+from .report import Report, write_page, write_texts
 
 CEILINGS_SKIPPED = ("for a job, each rank's loader alone or the script fed cached batches would be a second job "
                     "whose ranks compete for the machine; the closing launch measures the advice instead")
@@ -100,20 +100,37 @@ class JobReport:
     def __str__(self) -> str:
         return self.summary()
 
-    def save(self, directory, plot: bool = True, trace: bool = True) -> dict:
+    def _labels(self) -> list[str]:
+        """A line per rank, in the order of ``records``: its verdict."""
+        return [f"rank {v.rank}: {v.verdict.line.removeprefix('verdict: ')}" for v in self.job.ranks]
+
+    def html(self, d: dict | None = None) -> str:
+        """The job's report as one self-contained HTML page (``fastfeed.doctor.html``): the job's verdict, the
+        ranks, a zoomable timeline with a lane per rank, rank 0's six questions, the advice and the what-if."""
+        from . import html
+
+        d = d or self.to_dict()
+        data = html.job_data(self.records, [v.split for v in self.job.ranks], labels=self._labels(),
+                             keep=self.job.stragglers)  # fmt: skip
+        return html.page(d, self.summary(d), data)
+
+    def save(self, directory, plot: bool = True, trace: bool = True, html: bool = False) -> dict:
         """Write report.json, report.txt, job.json (every rank's records), trace.json (a track per rank) and
-        timeline.png (a lane per rank) into ``directory``; returns the paths (the PNG's reason without matplotlib)."""
+        timeline.png (a lane per rank) into ``directory``, and with ``html``, report.html (``html()``); returns the
+        paths (the PNG's reason without matplotlib)."""
         from . import plot as plotting
         from . import trace as tracing
 
         d = self.to_dict()
         out, paths = write_texts(directory, d, self.summary(d), "job.json", self.records_dict())
+        if html:
+            paths["html"] = write_page(out / "report.html", self.html(d))
         splits = [v.split for v in self.job.ranks]
         start = min((r.timeline.start + r.offset for r in self.records), default=0.0)
         if trace:
             paths["trace"] = tracing.write_job_trace(self.records, splits, start, out / "trace.json")
         if plot:
-            labels = [f"rank {v.rank}: {v.verdict.line.removeprefix('verdict: ')}" for v in self.job.ranks]
+            labels = self._labels()
             try:
                 paths["png"] = plotting.job_png(self.records, splits, out / "timeline.png", title=d["job"]["verdict"]
                                                 ["line"], labels=labels, keep=self.job.stragglers)  # fmt: skip

@@ -157,8 +157,17 @@ class Report:
     def __str__(self) -> str:
         return self.summary()
 
-    def save(self, directory, plot: bool = True, trace: bool = True) -> dict:
-        """Write report.json, report.txt, timeline.json, trace.json (Perfetto) and timeline.png into ``directory``.
+    def html(self, d: dict | None = None) -> str:
+        """The report as one self-contained HTML page (``fastfeed.doctor.html``): the verdict, a zoomable
+        timeline, the six questions, the advice and the what-ifs. ``d``: ``to_dict()``, when the caller has it."""
+        from . import html
+
+        d = d or self.to_dict()
+        return html.page(d, self.summary(d), html.timeline_data(self.timeline))
+
+    def save(self, directory, plot: bool = True, trace: bool = True, html: bool = False) -> dict:
+        """Write report.json, report.txt, timeline.json, trace.json (Perfetto) and timeline.png into ``directory``,
+        and with ``html``, report.html (``html()``: one self-contained page, opened offline in any browser).
 
         Returns the paths written; without matplotlib the PNG is skipped and ``"png"`` holds the reason.
         """
@@ -167,6 +176,8 @@ class Report:
 
         d = self.to_dict()
         out, paths = write_texts(directory, d, self.summary(d), "timeline.json", self.timeline.to_dict())
+        if html:
+            paths["html"] = write_page(out / "report.html", self.html(d))
         if trace:
             paths["trace"] = tracing.write_trace(self.timeline, out / "trace.json")
         if plot:
@@ -188,6 +199,13 @@ def write_texts(directory, d: dict, text: str, records_name: str, records: dict)
     write_atomic(paths["text"], text, "\n", mode=0o644)
     write_atomic(paths["timeline"], json.dumps(records, default=str), mode=0o644)
     return out, paths
+
+
+def write_page(path, page: str) -> Path:
+    """Write an HTML page (``Report.html()``, ``JobReport.html()``) to ``path``, readable as the other outputs."""
+    path = Path(path)
+    write_atomic(path, page, mode=0o644)
+    return path
 
 
 def _pct(x) -> str:

@@ -5,7 +5,7 @@ with fastfeed.doctor.watch() as report:
     for batch in loader:
         train_step(batch)
 print(report.verdict())
-report.save("doctor-report")
+report.save("doctor-report")  # html=True adds report.html: one self-contained page, zoomable timeline
 ```
 
 ``steps=N`` ends the loop after N batches (the ``with`` block swallows the ``StopWatch`` that does it).
