@@ -5,16 +5,22 @@
 # torchdata (fastfeed through Accelerate.prepare is tested against them), Lightning (checkpoint/resume through
 # Trainer.fit is tested),
 # webdataset (tar shards are read and written both ways), moto's S3 server (fastfeed.io.Shards on S3), Ray (actor
-# workers on a local cluster) and fastfeed itself, built from csrc/.
+# workers on a local cluster), the documentation site's build (docs/requirements.txt), Chromium where apt can install it
+# (the doctor's HTML report is rendered in it) and fastfeed itself, built from csrc/.
 # Safe to re-run: it only rebuilds the extension.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-if ! .venv/bin/python -c "import torch, numpy, pytest, pytest_timeout, hypothesis, pybind11, PIL, tqdm, matplotlib, pynvml, fsspec, aiohttp, nvidia.dali, accelerate, torchdata, webdataset, moto.server, s3fs, ray, psutil, lightning" 2>/dev/null; then
+if ! .venv/bin/python -c "import torch, numpy, pytest, pytest_timeout, hypothesis, pybind11, PIL, tqdm, matplotlib, pynvml, fsspec, aiohttp, nvidia.dali, accelerate, torchdata, webdataset, moto.server, s3fs, ray, psutil, lightning, sphinx, myst_parser, furo" 2>/dev/null; then
   .venv/bin/pip install -q --disable-pip-version-check \
-    "torch==2.13.0" numpy pytest pytest-timeout hypothesis pillow tqdm matplotlib nvidia-ml-py fsspec aiohttp nvidia-dali-cuda120 accelerate torchdata webdataset "moto[server]" s3fs ray psutil lightning "pybind11>=2.12" "setuptools>=64" wheel
+    "torch==2.13.0" numpy pytest pytest-timeout hypothesis pillow tqdm matplotlib nvidia-ml-py fsspec aiohttp nvidia-dali-cuda120 accelerate torchdata webdataset "moto[server]" s3fs ray psutil lightning "pybind11>=2.12" "setuptools>=64" wheel -r docs/requirements.txt
+fi
+# Headless Chromium renders the doctor's HTML report in the tests; where it cannot be installed they skip, saying so.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; } \
+    || echo "setup: chromium could not be installed; the HTML report's browser test will skip" >&2
 fi
 # No build isolation: the build uses the pybind11 and setuptools just installed,
 # so it needs no network and takes seconds.

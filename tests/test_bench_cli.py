@@ -1,5 +1,5 @@
 """`fastfeed bench`: the user's dataset end to end, outputs, --compare on an injected regression, and the
-README's tables against the reports they came from."""
+tables of the README and the documentation pages against the reports they came from."""
 
 import csv
 import json
@@ -111,17 +111,27 @@ def test_compare_exits_nonzero_on_a_regression(tmp_path, throughput, cpu, code):
 BLOCK = re.compile(r"<!-- fastfeed bench --from (\S+) --markdown ?([^>]*?) -->\n(.*?)\n<!-- end -->", re.S)
 
 
+def _pages():
+    """The README and every Markdown page of the documentation site: where tables of figures may appear."""
+    return [REPO / "README.md"] + sorted((REPO / "docs").rglob("*.md"))
+
+
 def test_readme_tables_come_from_the_committed_reports():
-    """Every table of figures in the README sits in a block naming a committed report, and equals --markdown of it."""
-    text = (REPO / "README.md").read_text()
-    blocks = BLOCK.findall(text)
-    assert blocks, "the README has no generated tables"
-    for path, names, table in blocks:
-        rep = report.load(REPO / path)
-        assert table == report.markdown(rep, names.split() or None), path
-    outside = BLOCK.sub("", text)
-    stray = [line for line in outside.splitlines() if re.match(r"\|.*\d.*x", line)]
-    assert not stray, f"tables of figures outside generated blocks: {stray[:3]}"
+    """Every table of figures in the README and the documentation pages sits in a block naming a committed report,
+    and equals --markdown of it; the README holds the headline one, and every committed report is shown."""
+    assert BLOCK.findall((REPO / "README.md").read_text()), "the README has no generated tables"
+    shown = set()
+    for page in _pages():
+        text = page.read_text()
+        for path, names, table in BLOCK.findall(text):
+            rep = report.load(REPO / path)
+            assert table == report.markdown(rep, names.split() or None), (page, path, names)
+            shown.add(path)
+        outside = BLOCK.sub("", text)
+        stray = [line for line in outside.splitlines() if re.match(r"\|.*\d.*x", line)]
+        assert not stray, f"{page}: tables of figures outside generated blocks: {stray[:3]}"
+    committed = {str(p.relative_to(REPO)) for p in (REPO / "docs" / "bench").glob("*.json")}
+    assert committed <= shown, f"committed reports no page shows: {committed - shown}"
 
 
 def test_markdown_of_a_saved_report(tmp_path):

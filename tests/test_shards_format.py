@@ -839,14 +839,14 @@ def test_shards_written_by_webdataset_index_and_read_back(tmp_path):
     assert _read_all(index_shards([tmp_path / "t.tar"])) == expected[:5]
 
 
-def test_the_readmes_shard_writing_example_runs_without_torchvision(tmp_path, monkeypatch):
-    """The README's example of writing an image folder into shards imports no torchvision (no extra installs it)
-    and, pointed at a small folder and a local destination, writes shards Shards reads back with their classes."""
+def test_the_docs_shard_writing_example_runs_without_torchvision(tmp_path, monkeypatch):
+    """The Shards page's example of writing an image folder into shards imports no torchvision (no extra installs
+    it) and, pointed at a small folder and a local destination, writes shards Shards reads back with their classes."""
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme[readme.index("**Writing shards.**"):]
+    page = (Path(__file__).resolve().parent.parent / "docs" / "guide" / "shards.md").read_text()
+    section = page[page.index("## Writing shards"):]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     assert not re.search(r"^\s*(from|import) torchvision", code, re.M)
     for c, name in enumerate(("cat", "dog")):
@@ -856,7 +856,7 @@ def test_the_readmes_shard_writing_example_runs_without_torchvision(tmp_path, mo
     code = code.replace('"/data/imagenet/train"', repr(str(tmp_path / "imgs")))
     code = code.replace('"s3://bucket/imagenet/train/"', repr(str(tmp_path / "out") + "/"))
     code = code.replace("num_workers=8", "num_workers=0")
-    exec(compile(code, "README.md", "exec"), {})
+    exec(compile(code, "docs/guide/shards.md", "exec"), {})
     from fastfeed.io import Shards
 
     got = [(s["jpg"][:2], s["cls"]) for s in Shards(str(tmp_path / "out"), batch_size=1)]
