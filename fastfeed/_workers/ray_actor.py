@@ -115,7 +115,7 @@ class StreamWriter(BufferWriter):
         super().__init__()
         self.sender = sender
         self._scratch = np.empty(0, np.uint8)  # reused: a fresh buffer per batch would fault in its pages each time
-        self.broken: str | None = None  # why the stream was given up (the object store carries on)
+        self.broken: str | None = None  # why the stream was given up (the loader replaces this actor)
 
     def _put(self, idx: int, objs, leaves, nbytes: int) -> None:
         if self.broken is not None:
@@ -327,7 +327,6 @@ class _Channel:
         call.reply = reply
         if type(reply) is m.Done and reply.nbytes:
             call.buf = self.writer.take()
-
         if not call.asks_state:
             self._finish(call)
 

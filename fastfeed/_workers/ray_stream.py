@@ -231,9 +231,7 @@ class Receiver:
                 # Under the lock: the stream's thread closes the socket under it, so this never writes into a
                 # descriptor number reused meanwhile. A task is small and the actor reads its link in a thread of
                 # its own, so this does not wait on the dataset.
-                sent = stream.sock.sendmsg([header, payload])
-                if sent < len(header) + len(payload):  # a signal cut it short
-                    stream.sock.sendall((header + payload)[sent:])
+                _send_all(stream.sock, [header, payload])
             except OSError as e:
                 stream.ended = f"sending it call {number} failed ({type(e).__name__}: {e})"
                 self._shutdown(stream.sock)
@@ -558,7 +556,8 @@ class Receiver:
 
 
 def _send_all(sock: socket.socket, bufs: list) -> None:
-    """``sendall`` of several buffers in as few ``sendmsg`` calls as the socket takes them in."""
+    """``sendall`` of several buffers in as few ``sendmsg`` calls as the socket takes them in: one for a header and
+    the payload it heads, unless the socket takes only part (a full buffer, a signal)."""
     bufs = collections.deque(b for b in bufs if len(b))
     while bufs:
         sent = sock.sendmsg(list(itertools.islice(bufs, IOV_MAX)))
@@ -640,14 +639,7 @@ class Sender:
         if not nbytes or sum(len(p) for p in pieces) != nbytes:
             raise ValueError(f"a streamed batch's pieces must add up to its {nbytes} bytes, and to more than none")
         with self._lock:
-            sock = self._sock
-            if sock is None:
-                raise BrokenPipeError("the batch stream is closed")
-            try:
-                _send_all(sock, [memoryview(FRAME.pack(FRAME_MAGIC, index, nbytes)), *pieces])
-            except BaseException:
-                self.close()  # the frame may be cut: the receiver must see the connection end, not a next header
-                raise
+            self._frame(FRAME.pack(FRAME_MAGIC, index, nbytes), *pieces)
 
     def answer(self, number: int, payload: bytes) -> None:
         """Send the answer to call ``number`` (pickled by the caller).
@@ -658,18 +650,13 @@ class Sender:
         with self._lock:
             self._frame(FRAME.pack(ANSWER_MAGIC, number, len(payload)), memoryview(payload))
 
-    def _frame(self, header: bytes, payload: memoryview) -> None:
+    def _frame(self, header: bytes, *payload) -> None:
+        """Send one frame: ``header``, then the ``payload`` buffers one after another (the caller holds the lock)."""
         sock = self._sock
         if sock is None:
             raise BrokenPipeError("the batch stream is closed")
         try:
-            # One system call for the header and as much of the payload as the socket takes, then the rest.
-            sent = sock.sendmsg([header, payload])
-            if sent < len(header):
-                sock.sendall(header[sent:])
-                sock.sendall(payload)
-            else:
-                sock.sendall(payload[sent - len(header):])
+            _send_all(sock, [memoryview(header), *payload])
         except BaseException:
             self.close()  # the frame may be cut: the receiver must see the connection end, not a next header
             raise

@@ -394,18 +394,26 @@ def _range(st: dict, scale: float = 1.0, digits: int = 2) -> str:
 
 def _overhead_lines(over: dict) -> list[str]:
     """The overhead part's table: GB/s over processes (and the stream's over bare loopback TCP), and CPU per batch
-    of the loop's own thread and of its whole process (Ray's threads and the stream's readers included)."""
+    of the loop's own thread and of its whole process (Ray's threads and the stream's readers included). A report
+    from before the loop's thread was measured has the process's CPU only, with each row's over processes'."""
+    thread = "loop_cpu_ms_per_batch" in over["process"]
+
+    def cpu(figs: dict, ray: bool) -> str:
+        if thread:
+            return f"{_range(figs['loop_cpu_ms_per_batch'])} ms | {_range(figs['main_cpu_ms_per_batch'])} ms"
+        return f"{_range(figs['main_cpu_ms_per_batch'])} ms | " + (_ratio(figs["vs"]["main_cpu"], bold=True) if ray
+                                                                   else "-")  # fmt: skip
+
+    cpu_head = "loop thread CPU per batch | process CPU per batch" if thread else "loop CPU per batch | / process"
     lines = ["", f"| {fmt(over['batch_bytes'] / 1e6)} MB batches, nw={over['num_workers']} | path | GB/s | "
-             "/ process | loop thread CPU per batch | process CPU per batch | first batch |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+             f"/ process | {cpu_head} | first batch |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     figs = over["process"]
     lines.append(f'| worker_type="process" | {_taken(figs.get("rounds", ()))} | {_range(figs["gb_per_s"])} | - | '
-                 f"{_range(figs['loop_cpu_ms_per_batch'])} ms | {_range(figs['main_cpu_ms_per_batch'])} ms | "
-                 f"{fmt(figs['ttfb_s'] * 1e3)} ms |")
+                 f"{cpu(figs, False)} | {fmt(figs['ttfb_s'] * 1e3)} ms |")
     for _, label, figs in _overhead_rows(over):
         lines.append(f"| {label} | {_taken(figs.get('rounds', ()))} | {_range(figs['gb_per_s'])} | "
-                     f"{_ratio(figs['vs']['throughput'], bold=True)} | {_range(figs['loop_cpu_ms_per_batch'])} ms | "
-                     f"{_range(figs['main_cpu_ms_per_batch'])} ms | {fmt(figs['ttfb_s'] * 1e3)} ms |")
+                     f"{_ratio(figs['vs']['throughput'], bold=True)} | {cpu(figs, True)} | "
+                     f"{fmt(figs['ttfb_s'] * 1e3)} ms |")
     wire = over.get("wire")
     if wire:
         lines.append(f"| bare TCP between two processes of this machine (loopback) | - | {_range(wire['gb_per_s'])} | "
@@ -426,20 +434,7 @@ def ray_markdown(res: dict) -> str:
     over = res.get("overhead")
     if over:
         # A worker's path is what stats().worker_paths said in each round, not what the row asked for.
-        if "loop_cpu_ms_per_batch" not in over["process"]:  # a report from before the loop's thread was measured
-            lines += ["", f"| {fmt(over['batch_bytes'] / 1e6)} MB batches, nw={over['num_workers']} | path | GB/s | "
-                      "/ process | loop CPU per batch | / process | first batch |", "|---|---|---|---|---|---|---|"]
-            figs = over["process"]
-            lines.append(f'| worker_type="process" | {_taken(figs.get("rounds", ()))} | '
-                         f"{_range(figs['gb_per_s'])} | - | {_range(figs['main_cpu_ms_per_batch'])} ms | - | "
-                         f"{fmt(figs['ttfb_s'] * 1e3)} ms |")
-            for _, label, figs in _overhead_rows(over):
-                lines.append(f"| {label} | {_taken(figs.get('rounds', ()))} | {_range(figs['gb_per_s'])} | "
-                             f"{_ratio(figs['vs']['throughput'], bold=True)} | "
-                             f"{_range(figs['main_cpu_ms_per_batch'])} ms | {_ratio(figs['vs']['main_cpu'], bold=True)}"
-                             f" | {fmt(figs['ttfb_s'] * 1e3)} ms |")
-        else:
-            lines += _overhead_lines(over)
+        lines += _overhead_lines(over)
     rec = res.get("receive")
     if rec:
         taken = _taken([rec])

@@ -144,6 +144,8 @@ def wire(nbytes: int, batches: int, host: str = "127.0.0.1") -> dict:
 
     import numpy as np
 
+    from ..._workers.ray_stream import _fill as fill
+
     dest = np.empty(nbytes, np.uint8)
     view = memoryview(dest)
     with socket.create_server((host, 0)) as server:
@@ -155,12 +157,9 @@ def wire(nbytes: int, batches: int, host: str = "127.0.0.1") -> dict:
             with conn:
                 cpu0, w0 = main_cpu_s(), time.perf_counter()
                 for _ in range(batches):
-                    got = 0
-                    while got < nbytes:
-                        n = conn.recv_into(view[got:], nbytes - got)
-                        if not n:
-                            raise ConnectionError(f"the wire's sender ended after {got} of {nbytes} bytes")
-                        got += n
+                    got = fill(conn, view)  # the stream's own read loop: recv_into until the buffer is full
+                    if got < nbytes:
+                        raise ConnectionError(f"the wire's sender ended after {got} of {nbytes} bytes")
                 seconds, cpu = time.perf_counter() - w0, main_cpu_s() - cpu0
         finally:
             sender.wait(30)
