@@ -175,7 +175,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
 
     def _ray_pool(self, loader, spec, context, local: int, remote: int, dump_s: float):
         """Ray actors for workers ``local ..``, and worker processes for the first ``local`` (the mixed form)."""
-        from ._workers import ray_connect, ray_pool
+        from ._workers.ray import connect as ray_connect, pool as ray_pool
 
         ring = self._ring
         try:

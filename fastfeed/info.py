@@ -23,7 +23,7 @@ RAY_PROBE_S = 15.0  # importing Ray and asking a cluster for its nodes; a stale 
 _RAY_PROBE = """
 import json
 try:
-    from fastfeed._workers import ray_connect
+    from fastfeed._workers.ray import connect as ray_connect
     ray_connect.connect()
     print(json.dumps({"cluster": ray_connect.cluster_summary()}))
 except Exception as e:
@@ -62,7 +62,7 @@ def _nvml() -> str:
 
 def _ray(timeout_s: float = RAY_PROBE_S) -> dict:
     """Ray's version and, when a cluster is connected or running, its nodes, their CPUs and the other resources
-    ``ray_options`` can name (``ray_connect``'s summary).
+    ``ray_options`` can name (``ray.connect``'s summary).
 
     This process's own ``ray.init`` is read as it is; otherwise a child process tries ``ray.init(address="auto")``
     for at most ``timeout_s``. ``status`` says which, or why there is no cluster.
@@ -72,7 +72,7 @@ def _ray(timeout_s: float = RAY_PROBE_S) -> dict:
         return {"version": None, "cluster": None, "status": "not installed (pip install 'fastfeed[ray]')"}
     ray = sys.modules.get("ray")  # never imported here: that alone takes seconds
     if ray is not None and ray.is_initialized():
-        from ._workers import ray_connect
+        from ._workers.ray import connect as ray_connect
 
         return {"version": version, "cluster": ray_connect.cluster_summary(), "status": "connected (this process)"}
     if not os.environ.get("RAY_ADDRESS") and not _gcs_running():

@@ -58,7 +58,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             ``num_cpus``, ``resources``, ``scheduling_strategy``), with process workers' semantics;
             a lost actor or node is replaced and its batches redone. ``("process", "ray")`` with
             ``num_workers=(local, remote)``: local processes and Ray actors in one loader (see
-            ``fastfeed._workers.ray_pool``).
+            ``fastfeed._workers.ray.pool``).
         device: ``None`` (CPU batches, as torch), ``"cuda"``/``"cuda:N"`` or ``"cpu"``. With
             a CUDA device, batches arrive on it: copied from the pinned ring slots with
             ``non_blocking=True`` on a dedicated stream, and your current stream waits for
@@ -161,7 +161,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     _ff_stats = None  # the latest iterator's stats.Recorder
     _ff_lookahead = 0  # batches a wrapper around this loader reads ahead of its consumer (fastfeed.accelerate)
     _ff_gds_threads = None  # reader="gds": kvikio's threads, this rank's CPUs (the NUMA plan's share)
-    _ff_ray_spare = None  # Ray actors kept between epochs (fastfeed._workers.ray_pool.Spare)
+    _ff_ray_spare = None  # Ray actors kept between epochs (fastfeed._workers.ray.pool.Spare)
 
     @property
     def worker_split(self) -> tuple[int, int]:

@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-import fastfeed._workers
+import fastfeed._workers.ray
 from fastfeed import info
 
 pytestmark = pytest.mark.fastfeed_only
@@ -42,11 +42,11 @@ def test_without_ray_info_says_how_to_install_it(monkeypatch):
 def test_a_connected_process_shows_the_clusters_nodes_and_cpus(ray_installed, monkeypatch):
     """ray.is_initialized() here: the cluster summary is read in this process and rendered node by node."""
     fake_ray = types.SimpleNamespace(is_initialized=lambda: True)
-    connect = types.ModuleType("fastfeed._workers.ray_connect")
+    connect = types.ModuleType("fastfeed._workers.ray.connect")
     connect.cluster_summary = lambda: SUMMARY
     monkeypatch.setitem(sys.modules, "ray", fake_ray)
-    monkeypatch.setitem(sys.modules, "fastfeed._workers.ray_connect", connect)
-    monkeypatch.setattr(fastfeed._workers, "ray_connect", connect, raising=False)
+    monkeypatch.setitem(sys.modules, "fastfeed._workers.ray.connect", connect)
+    monkeypatch.setattr(fastfeed._workers.ray, "connect", connect, raising=False)
     monkeypatch.setattr(info.subprocess, "run", lambda *a, **k: pytest.fail("probed though connected"))
     ray = info._ray()
     assert ray["cluster"] == SUMMARY and ray["status"] == "connected (this process)"
@@ -81,7 +81,7 @@ def test_the_summary_lists_custom_resources_and_leaves_out_bytes_and_address_lab
               "Resources": {"CPU": 4.0, "preprocess": 100.0}}]  # fmt: skip
     fake_ray = types.SimpleNamespace(is_initialized=lambda: True, nodes=lambda: nodes)
     monkeypatch.setitem(sys.modules, "ray", fake_ray)
-    from fastfeed._workers import ray_connect
+    from fastfeed._workers.ray import connect as ray_connect
 
     summary = ray_connect.cluster_summary()
     assert [n["resources"] for n in summary["nodes"]] == [

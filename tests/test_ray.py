@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.fastfeed_only, pytest.mark.ray_sockets]
 ray = pytest.importorskip("ray")
 
 import fastfeed  # noqa: E402
-from fastfeed._workers import ray_pool  # noqa: E402
+from fastfeed._workers.ray import pool as ray_pool  # noqa: E402
 
 
 def _epochs(loader, epochs=1, seed=0):
@@ -278,7 +278,7 @@ def test_a_connection_without_the_token_is_refused_and_changes_nothing(cluster, 
         got.append(copy_batch(b))
         if len(got) == 2:
             receiver = _workers_of_pool(loader)._receiver
-            from fastfeed._workers.ray_stream import Sender
+            from fastfeed._workers.ray.link import Sender
 
             with pytest.raises(ConnectionRefusedError, match="refused worker 0"):  # closed on it, no ack
                 Sender.connect(receiver.address, b"x" * 32, 0, 1, 5.0)
@@ -289,7 +289,7 @@ def test_a_connection_without_the_token_is_refused_and_changes_nothing(cluster, 
 def test_a_stream_cut_mid_batch_yields_no_partial_batch_and_the_batch_is_made_again(cluster, monkeypatch, capfd):
     """The loader's side of a stream breaks after half of batch 3's bytes: that slot is given back, the actor is
     replaced from its last state, and the epoch is torch's, no batch lost, repeated or torn."""
-    from fastfeed._workers import ray_stream
+    from fastfeed._workers.ray import link as ray_stream
 
     monkeypatch.setenv("FASTFEED_RAY_PATH", "stream")
     fill, bodies = ray_stream._fill, []
@@ -437,7 +437,7 @@ def test_a_node_type_the_autoscaler_may_add_makes_it_a_wait_not_an_error(monkeyp
     from ray._private import state
     from ray.core.generated import autoscaler_pb2
 
-    from fastfeed._workers import ray_connect
+    from fastfeed._workers.ray import connect as ray_connect
 
     fake = types.SimpleNamespace(nodes=lambda: [{"Alive": True, "Resources": {"CPU": 4.0, "memory": 8e9}},
                                                 {"Alive": False, "Resources": {"CPU": 64.0, "preprocess": 8.0}}])

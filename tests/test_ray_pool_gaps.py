@@ -29,9 +29,9 @@ ray = pytest.importorskip("ray")
 import fastfeed  # noqa: E402
 from fastfeed._ring import layout  # noqa: E402
 from fastfeed._workers import messages as m  # noqa: E402
-from fastfeed._workers import ray_actor  # noqa: E402
+from fastfeed._workers.ray import actor as ray_actor  # noqa: E402
 from fastfeed._workers.loop import WorkerSpec  # noqa: E402
-from fastfeed._workers.ray_actor import RayWorker  # noqa: E402
+from fastfeed._workers.ray.actor import RayWorker  # noqa: E402
 
 
 @pytest.mark.hang_limit(40)

@@ -19,7 +19,7 @@ import torch
 
 from fastfeed._ring import layout, segments
 from fastfeed._ring.ring import Ring
-from fastfeed._workers import ray_stream as rs
+from fastfeed._workers.ray import link as rs
 from fastfeed._workers.loop import SlotWriter
 
 pytestmark = [pytest.mark.fastfeed_only, pytest.mark.hang_limit(30)]

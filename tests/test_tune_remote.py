@@ -10,7 +10,7 @@ import types
 import pytest
 
 import fastfeed
-import fastfeed._workers
+import fastfeed._workers.ray
 from fastfeed import cli
 from fastfeed.tuning import offline
 from fastfeed.tuning.result import Setting, Trial, TuneResult, load_config
@@ -110,9 +110,9 @@ def test_a_remote_result_round_trips_and_its_config_gives_the_mixed_form(tmp_pat
 
 @pytest.fixture
 def fake_ray_connect(monkeypatch):
-    """A stand-in for fastfeed._workers.ray_connect: a connected cluster of ``state["cpus"]`` CPUs."""
+    """A stand-in for fastfeed._workers.ray.connect: a connected cluster of ``state["cpus"]`` CPUs."""
     state = {"cpus": 6.0, "connected": 0}
-    mod = types.ModuleType("fastfeed._workers.ray_connect")
+    mod = types.ModuleType("fastfeed._workers.ray.connect")
 
     def connect():
         state["connected"] += 1
@@ -122,8 +122,8 @@ def fake_ray_connect(monkeypatch):
 
     mod.connect = connect
     mod.cluster_summary = lambda: {"nodes": [], "cpus": state["cpus"]}
-    monkeypatch.setitem(sys.modules, "fastfeed._workers.ray_connect", mod)
-    monkeypatch.setattr(fastfeed._workers, "ray_connect", mod, raising=False)
+    monkeypatch.setitem(sys.modules, "fastfeed._workers.ray.connect", mod)
+    monkeypatch.setattr(fastfeed._workers.ray, "connect", mod, raising=False)
     return state
 
 

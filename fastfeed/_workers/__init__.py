@@ -1,4 +1,4 @@
-"""The loader's workers: processes (``pool``), threads (``threads``) or Ray actors (``ray_pool``), all running
+"""The loader's workers: processes (``pool``), threads (``threads``) or Ray actors (``ray/``), all running
 ``loop``."""
 
 from __future__ import annotations

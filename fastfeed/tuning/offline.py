@@ -151,7 +151,7 @@ def remote_actors(remote) -> int:
     if remote is not True and (isinstance(remote, bool) or not isinstance(remote, int) or remote < 0):
         raise ValueError(f"remote must be True (the cluster's CPUs), False or a number of Ray actors >= 0, "
                          f"got {remote!r}")  # fmt: skip
-    from .._workers import ray_connect  # Ray is optional: imported only when remote workers are asked for
+    from .._workers.ray import connect as ray_connect  # Ray is optional: imported only when remote workers are asked for
 
     ray_connect.connect()  # a clear error now, before any local trial, when there is no cluster
     if remote is not True:

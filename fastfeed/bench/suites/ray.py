@@ -7,7 +7,7 @@ own ("trainer_node"), where this process (the loop) is the driver, as on a train
 of --node-cpus declared CPUs each (more than the machine's cores: a sleeping actor needs none). An actor lands on
 the head only by asking for its resource; every other one runs on a node other than the loop's, as on a remote CPU
 node (over loopback, not a network). A batch takes one of three paths to the loader's ring, chosen per actor
-(fastfeed/_workers/ray_actor.py): "shm" (an actor on the loop's node writes into a ring slot), "stream" (another
+(fastfeed/_workers/ray/actor.py): "shm" (an actor on the loop's node writes into a ring slot), "stream" (another
 node's sends its bytes over TCP, read straight into a slot), "object store" (returned through Ray's object store,
 then copied into a slot). The cluster is shut down at the end; the result says how many actors, processes and
 /dev/shm entries were left behind (none expected).
@@ -80,7 +80,7 @@ OVERHEAD_WORKERS = 2
 PARTS = ("overhead", "receive", "scaling", "mixed")
 SCALING_ACTOR_CPUS = 0.5
 TRAINER_SLOTS = 8  # the head's TRAINER_RESOURCE: room for the 2 actors of one overhead loader, and spares
-PATH_ENV = "FASTFEED_RAY_PATH"  # read by the loader's Ray pool as it starts (fastfeed/_workers/ray_pool.py)
+PATH_ENV = "FASTFEED_RAY_PATH"  # read by the loader's Ray pool as it starts (fastfeed/_workers/ray/pool.py)
 # The overhead part's Ray rows: (name, FASTFEED_RAY_PATH, ray_options, the path every worker must take, where). The
 # trainer node's actors ask for the head's resource (no CPUs: the head has none); the others ask for a CPU, which
 # only the other nodes have. The path each row's workers took is checked, so a row that fell back (a stream that

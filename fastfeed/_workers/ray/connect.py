@@ -6,7 +6,7 @@ started silently inside a training script would put every "remote" worker on the
 cores that ran out, and would outlive nothing it was meant to.
 
 What the cluster has is read here too: the nodes and resources ``fastfeed info`` lists, and whether any node could
-ever host an actor with given ``ray_options`` (``never_fits``), which ``ray_pool`` asks before it waits for room.
+ever host an actor with given ``ray_options`` (``never_fits``), which ``pool`` asks before it waits for room.
 """
 
 from __future__ import annotations

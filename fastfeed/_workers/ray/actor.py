@@ -15,13 +15,13 @@ Where a batch goes depends on where the actor runs (its *path*, chosen at each `
 - ``shm``: on the training process's node, the actor attaches the ring's control block and slot segments by name
   and writes the batch into a slot, as a worker process does; only the small ``Done`` goes back through Ray.
 - ``stream``: on another node, the actor sends the batch's bytes, laid out as a slot, over one TCP connection to the
-  loader's ``ray_stream.Receiver``, which reads them straight into a slot; the ``Done`` goes back through Ray.
+  loader's ``link.Receiver``, which reads them straight into a slot; the ``Done`` goes back through Ray.
 - ``object store``: the batch is one flat byte buffer laid out as a slot (``layout.plan``/``fill``), returned through
   Ray's object store, and copied once into a slot by the main process. Where neither of the others can be set up
   (another container or user, a firewall), and for a batch whose stream broke as it was sent.
 
 With each answer to a task goes the worker's state right after it (RNGs, a stateful dataset's position, batches
-made), which is what a replacement actor starts from if this one is lost (``ray_pool``). Nothing in this module
+made), which is what a replacement actor starts from if this one is lost (``pool``). Nothing in this module
 imports Ray: the actor class is made from it where Ray is used.
 """
 
@@ -39,12 +39,12 @@ import numpy as np
 import torch
 from torch.utils.data._utils import worker as torch_worker
 
-from .._dataset_hooks import hooks_of
-from .._ring import layout, segments
-from .._ring.control import Control
-from . import messages as m
-from . import readahead
-from .loop import SlotWriter, _seed, _seed_datapipe, serve
+from ..._dataset_hooks import hooks_of
+from ..._ring import layout, segments
+from ..._ring.control import Control
+from .. import messages as m
+from .. import readahead
+from ..loop import SlotWriter, _seed, _seed_datapipe, serve
 
 
 SHM, STREAM, STORE = "shm", "stream", "object store"  # the paths a batch takes to the ring (see the docstring)
@@ -151,13 +151,13 @@ class StreamWriter(BufferWriter):
 
 
 class RayWorker:
-    """One worker, as a Ray actor (made with ``ray.remote`` in ``ray_pool``). Reused across epochs: ``start``
+    """One worker, as a Ray actor (made with ``ray.remote`` in ``pool``). Reused across epochs: ``start``
     begins each one afresh, with that epoch's dataset, seed and ``worker_init_fn``."""
 
     def __init__(self):
         self._thread = None
         self._channel = None
-        self._link = None  # this start's ray_stream.Sender, when its calls come over the loader's link
+        self._link = None  # this start's link.Sender, when its calls come over the loader's link
         self._reader = None  # the thread that reads them
         self._epoch = None  # the key the main process gave the last start: its calls carry it
         self._next = 0  # the number of the call whose message goes to the loop next
@@ -268,7 +268,7 @@ class _Channel:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, writer=None, link=None):
         self.writer = BufferWriter() if writer is None else writer
-        self.link = link  # the ray_stream.Sender that the answers of the link's calls go back over
+        self.link = link  # the link.Sender that the answers of the link's calls go back over
         self._loop = loop
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (message, its _Call or None, is its state request)
         self._taken: collections.deque = collections.deque()  # inbox entries the loop took and has not answered
@@ -462,7 +462,7 @@ def _writer_for(spec, link: dict | None, worker_id: int, key: int):
     """The writer of this start's batches, and why it is not the path ``link`` asked for (None when it is).
 
     ``link``: ``{"node": the loader's Ray node id, "path": a path forced by PATH_ENV or None, "stream": (host,
-    port) of the loader's ``ray_stream.Receiver`` or None, "token": its token}``. On the loader's node, the ring's
+    port) of the loader's ``link.Receiver`` or None, "token": its token}``. On the loader's node, the ring's
     own shared memory; elsewhere, the stream; the object store where that cannot be set up."""
     if link is None:
         return BufferWriter(), None
@@ -473,7 +473,7 @@ def _writer_for(spec, link: dict | None, worker_id: int, key: int):
             control = Control.attach(spec.control, spec.prefix)
             return RingWriter(control, lambda claimed: segments.attach(claimed.name)), None
         if want == STREAM and link.get("stream") is not None:
-            from .ray_stream import Sender
+            from .link import Sender
 
             sender = Sender.connect(tuple(link["stream"]), link["token"], worker_id, key, STREAM_CONNECT_S)
             return StreamWriter(sender), None
@@ -483,12 +483,12 @@ def _writer_for(spec, link: dict | None, worker_id: int, key: int):
 
 
 def _link_for(writer, link: dict | None, worker_id: int, key: int):
-    """The ``ray_stream.Sender`` this start's calls and answers go over, or None (Ray's calls carry them). A
+    """The ``link.Sender`` this start's calls and answers go over, or None (Ray's calls carry them). A
     streaming actor's is its stream; one beside the loop (shm) connects only for this."""
     if isinstance(writer, StreamWriter):
         return writer.sender
     if isinstance(writer, RingWriter) and link is not None and link.get("stream") is not None:
-        from .ray_stream import Sender
+        from .link import Sender
 
         try:
             return Sender.connect(tuple(link["stream"]), link["token"], worker_id, key, STREAM_CONNECT_S)

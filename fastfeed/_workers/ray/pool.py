@@ -1,8 +1,8 @@
 """Ray actors as the loader's workers, behind the same face as ``Pool`` and ``ThreadPool``.
 
-Each worker is an actor (``ray_actor.RayWorker``) running the ordinary worker loop. Ray starts, places, replaces and
+Each worker is an actor (``actor.RayWorker``) running the ordinary worker loop. Ray starts, places, replaces and
 kills it; its ``start`` is a Ray call. The messages of each start after that are numbered and go over the actor's
-*link*, one TCP connection from the actor to this process's ``ray_stream.Receiver``, and so do their answers: a Ray
+*link*, one TCP connection from the actor to this process's ``link.Receiver``, and so do their answers: a Ray
 call and its ``ray.get`` would cost the loop's thread about a millisecond a batch, a frame costs it a ``sendall`` and
 a look-up, as a worker process's pipe does. The actor hands them to its loop in that order at once, so that the loop
 (and a dataset's read-ahead) sees the tasks sent ahead of the one it runs. Until a start has answered, whether its
@@ -11,10 +11,10 @@ store path, or a listener that could not be made) gets its messages as numbered 
 ``WorkerSpec`` (and with it the dataset) goes into Ray's object store once per epoch, and each actor takes it from
 there: it is not pickled per task.
 
-A batch reaches the ring by one of three paths, chosen per actor at its start (``ray_actor._writer_for``): an actor on
+A batch reaches the ring by one of three paths, chosen per actor at its start (``actor._writer_for``): an actor on
 this process's node writes it into a ring slot itself (``shm``), as a worker process does; one on another node sends
 its bytes over a TCP stream that a thread of this process reads straight into a slot (``stream``, see
-``ray_stream``); and where neither can be set up, it comes back as one Ray object that the main process copies once
+``link``); and where neither can be set up, it comes back as one Ray object that the main process copies once
 into a slot (``object store``). Only the small ``Done`` comes back on the first two, over the link, so the loop's
 cost per batch is a look-up, as with worker processes; pinning, the device stage and the leases downstream are
 theirs too.
@@ -52,12 +52,12 @@ import weakref
 
 import numpy as np
 
-from .._native import C
-from . import messages as m
-from . import ray_connect
-from .loop import SlotWriter
-from .pool import _READY, STATUS_CHECK_S, Clock, WorkerDied
-from .ray_actor import PATH_ENV, PATHS, SHM, STORE, from_wire, owned
+from ..._native import C
+from .. import messages as m
+from . import connect as ray_connect
+from ..loop import SlotWriter
+from ..pool import _READY, STATUS_CHECK_S, Clock, WorkerDied
+from .actor import PATH_ENV, PATHS, SHM, STORE, from_wire, owned
 
 log = logging.getLogger("fastfeed")
 
@@ -90,7 +90,7 @@ _actor_classes: dict = {}
 def actor_class(ray):
     cls = _actor_classes.get(id(ray))
     if cls is None:
-        from .ray_actor import RayWorker
+        from .actor import RayWorker
 
         # max_restarts=0: a lost actor is replaced by the loader, which knows the state to start it from.
         cls = _actor_classes[id(ray)] = ray.remote(max_restarts=0, max_task_retries=0)(RayWorker)
@@ -251,7 +251,7 @@ class RayPool:
         return self.workers[wid - self.first_id]
 
     def _make_link(self, ray, writer) -> dict | None:
-        """What each actor's start is told of the ring's paths (``ray_actor._writer_for``), with the stream's
+        """What each actor's start is told of the ring's paths (``actor._writer_for``), with the stream's
         receiver made when actors may use it; None: every actor uses the object store."""
         forced = os.environ.get(PATH_ENV, "auto").strip().lower() or "auto"
         forced = STORE if forced == "store" else forced
@@ -266,7 +266,7 @@ class RayPool:
             log.warning("fastfeed: Ray workers use the object store: this process is on no Ray node (%s)", e)
             return None
         stream = token = None
-        from .ray_stream import Receiver
+        from .link import Receiver
 
         try:
             # Every actor's link: its calls and answers, and the batches of those on other nodes.
@@ -586,7 +586,7 @@ class RayPool:
         """The answer to call ``number`` of ``w``'s link, as ``_get``'s; ``_NOT_YET`` if not within ``timeout``;
         None when the link ended first (the actor, its node or the connection lost): the actor has been replaced.
         The exception the actor's loop raised, if it did, is raised here."""
-        from .ray_stream import StreamBroken
+        from .link import StreamBroken
 
         try:
             answer = self._receiver.answer(w.wid, w.epoch, number, timeout)
@@ -616,7 +616,7 @@ class RayPool:
 
     def _streamed(self, w: _Worker, idx: int):
         """The slot into which the stream read task ``idx``'s batch; raises ConnectionError if it never will."""
-        from .ray_stream import StreamBroken
+        from .link import StreamBroken
 
         deadline = time.monotonic() + STREAM_WAIT_S
         while True:

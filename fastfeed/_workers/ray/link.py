@@ -47,7 +47,7 @@ descriptor), then join the threads within a bound. Shutdowns and closes happen u
 shutdown never reaches a descriptor number that was closed and reused meanwhile.
 
 The writer is a ``SlotWriter`` over the ring (``loop.py``), shared with the main thread's own copies (Ray objects,
-``ray_pool._into_ring``): its claims are atomic bit operations on the ring's free list and its mapping cache is a
+``pool._into_ring``): its claims are atomic bit operations on the ring's free list and its mapping cache is a
 dict keyed by the claimed slot, so concurrent claims from several threads never meet on one slot.
 """
 
@@ -141,7 +141,7 @@ class Receiver:
         handshake_timeout_s: how long a new connection may take to send its hello.
         max_frame_bytes: frames announcing more are garbage (see ``MAX_FRAME_BYTES``).
         on_news: called (from a receiving thread, with no lock held) when an answer arrives or a connection ends,
-            so that a loop waiting in ``poll`` on other things too wakes (``ray_pool._Wakeup.ring``).
+            so that a loop waiting in ``poll`` on other things too wakes (``pool._Wakeup.ring``).
     """
 
     def __init__(self, writer, host: str, handshake_timeout_s: float = 10.0,
