@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import gc
 import os
+import re
 import resource
 import threading
 import time
@@ -34,6 +35,43 @@ def process_tree(root: int | None = None) -> list[int]:
     for pid in tree:  # grows while we walk it: breadth-first over grandchildren too
         tree.extend(children.get(pid, ()))
     return tree
+
+
+SHM_DIR = "/dev/shm"
+
+
+def shm_owner(name: str) -> int | None:
+    """The pid a /dev/shm entry is named for (``fastfeed-<pid>-...``, ``torch_<pid>_...``), else None."""
+    m = re.match(r"(?:fastfeed|torch)[-_](\d+)[-_]", name)
+    return int(m.group(1)) if m else None
+
+
+def shm_left(before: set[str]) -> list[str]:
+    """The /dev/shm entries made since ``before`` (a listing) that this run may have left: all but those named for
+    a live process outside this process's tree.
+
+    Other programs on a shared machine make and remove their own entries meanwhile (another test run's loaders,
+    say); a live stranger's entry is not this run's leak, while one named for a process of ours, or for one that
+    has exited (a worker that died without cleaning up), is.
+    """
+    new = set(os.listdir(SHM_DIR)) - before
+    ours = set(process_tree())
+
+    def strangers(name: str) -> bool:
+        pid = shm_owner(name)
+        return pid is not None and pid not in ours and _alive(pid)
+
+    return sorted(n for n in new if not strangers(n))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: alive, and not ours
+    return True
 
 
 def _pss_anon_shmem_mb(pids: Sequence[int]) -> tuple[float, float]:

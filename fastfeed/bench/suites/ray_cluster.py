@@ -9,10 +9,9 @@ entries count as the run's.
 from __future__ import annotations
 
 import os
-import re
 import time
 
-from ..accounting import process_tree, wait_for_exit
+from ..accounting import process_tree, shm_owner, wait_for_exit
 
 CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 NODE_OBJECT_STORE = 1 << 30  # bytes per node: far above the batches in flight (16 actors x 2 x 0.8 MB)
@@ -128,13 +127,7 @@ class LocalCluster:
         """
         procs = wait_for_exit(set(process_tree()) - self._procs_before, timeout=10.0)
         new = set(os.listdir("/dev/shm")) - self._shm_before
-        return {"procs": procs, "shm": sorted(n for n in new if _owner(n) in self._ours)}
-
-
-def _owner(name: str) -> int | None:
-    """The pid a /dev/shm entry is named for (``fastfeed-<pid>-...``, ``torch_<pid>_...``), else None."""
-    m = re.match(r"(?:fastfeed|torch)[-_](\d+)[-_]", name)
-    return int(m.group(1)) if m else None
+        return {"procs": procs, "shm": sorted(n for n in new if shm_owner(n) in self._ours)}
 
 
 _RUNNING: LocalCluster | None = None  # the cluster started, whose processes each trial notes (``running()``)

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import extras, peers
+from ..accounting import shm_left
 
 # The suite's parts, each a module beside this one: shards_data.py (the samples, the tar shards, the HTTP server),
 # shards_trials.py (each loader built over a storage, one timed trial), shards_cache.py (the cache part, its LRU
@@ -211,7 +212,7 @@ def main(argv=None) -> dict:
                 gc.collect()
                 peers.clean_shared_memory(SHM_KEEP)
             shutil.rmtree(scratch, ignore_errors=True)
-    result["shm_left"] = sorted(set(os.listdir("/dev/shm")) - shm_before)
+    result["shm_left"] = shm_left(shm_before)
     say("")
     from ..report import shards_markdown
 
