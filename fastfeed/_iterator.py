@@ -13,8 +13,10 @@ import atexit
 import collections
 import copy
 import functools
+import gc
 import itertools
 import os
+import threading
 import time
 import warnings
 import weakref
@@ -58,6 +60,20 @@ def _cuda_index(stage, pin_memory_device: str) -> int:
         return named.index
     return torch.cuda.current_device() if torch.cuda.is_available() else -1
 
+
+# An iterator freed by the garbage collector (no one stopped it) gives its workers this long to take Stop before
+# they are killed: the collection runs in whichever thread allocated, and it must not stall that thread. An idle
+# worker exits within milliseconds; one still in user code would never read Stop. One dropped by its last
+# reference is stopped as torch's __del__ stops it (STATUS_CHECK_S), by the thread that dropped it.
+COLLECTED_GRACE_S = 0.5
+_collecting = threading.local()  # .on: this thread is running a garbage collection
+
+
+def _note_collection(phase: str, info: dict) -> None:
+    _collecting.on = phase == "start"
+
+
+gc.callbacks.append(_note_collection)
 
 # Iterators whose workers must be stopped, and segments unlinked, at exit.
 _live: weakref.WeakSet = weakref.WeakSet()
@@ -161,6 +177,12 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
             except BaseException:
                 self._ring.in_use = False  # the workers that started are stopped: none writes into it
                 raise
+        # Not __del__: an iterator freed by gc in a cycle (a kept exception's frame) is freed with its pool, whose
+        # pipes' own __del__ may run first and close descriptors whose numbers the stop would then write to and
+        # close. A finalizer runs before any __del__ of the cycle, and it holds the pool and ring, which keeps
+        # them out of the cycle's garbage until it has stopped the workers.
+        self._workers_finalizer = weakref.finalize(self, _stop, self._owner, self._pool, self._ring)
+        self._workers_finalizer.atexit = False  # _shutdown_all stops it at exit, before multiprocessing's handler
         self._shutdown = False
         _live.add(self)
         if self._stats is not None:
@@ -618,15 +640,40 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
             return
         self._shutdown = True
         _live.discard(self)
-        try:
-            self._pool.stop(grace, idle)
-        finally:
-            self._forget_tasks()
-            if self._pool.all_gone:  # nothing writes into the ring now: the next epoch may have it
-                self._ring.recover()
-                self._ring.in_use = False
-            else:
-                self._ring.close()
+        if self._workers_finalizer.detach() is not None:  # else gc's finalizer has stopped them
+            _stop(self._owner, self._pool, self._ring, grace, idle, self._forget_tasks)
 
-    def __del__(self) -> None:
-        self._shutdown_workers()
+
+def _stop(owner: int, pool, ring, grace: float | None = None, idle: bool = False, forget_tasks=None) -> None:
+    """Stop an iterator's workers and settle its ring: once, from ``_shutdown_workers`` or as its finalizer.
+
+    Args:
+        owner: the process the workers are children of; in any other (a fork's copy), nothing is done.
+        pool: the workers.
+        ring: the loader's ring they write into.
+        grace: seconds a worker has to take Stop and exit before it is killed; None (the finalizer):
+            ``COLLECTED_GRACE_S`` inside a garbage collection, else ``STATUS_CHECK_S``.
+        idle: every task the workers were sent has been answered.
+        forget_tasks: releases the slots of the iterator's unyielded tasks (a finalizer has no iterator left:
+            ``Ring.recover`` frees every claimed slot that nothing views).
+    """
+    if os.getpid() != owner:
+        return
+    if grace is None and pool.on_own_thread():
+        # Collected on one of the pool's own threads (a Ray link's reader, maybe inside its receiver's lock): a
+        # stop from there would wait on that very thread, so a thread of its own stops the workers.
+        threading.Thread(target=_stop, args=(owner, pool, ring, COLLECTED_GRACE_S), name="ff_collected_stop",
+                         daemon=True).start()  # fmt: skip
+        return
+    if grace is None:
+        grace = COLLECTED_GRACE_S if getattr(_collecting, "on", False) else STATUS_CHECK_S
+    try:
+        pool.stop(grace, idle)
+    finally:
+        if forget_tasks is not None:
+            forget_tasks()
+        if pool.all_gone:  # nothing writes into the ring now: the next epoch may have it
+            ring.recover()
+            ring.in_use = False
+        else:
+            ring.close()

@@ -65,16 +65,17 @@ class Sleepy(tud.Dataset):
 
 
 class KillsItsActor(tud.Dataset):
-    """Item 2 ends its process at once (os._exit), every time: a batch that keeps killing its worker.
+    """Item 6 ends its process at once (os._exit), every time: a batch that keeps killing its worker.
 
-    It is worker 1's first batch, so no earlier answer of that actor is in flight when it dies: an answer still
-    being sent dies with the process, and the pool would charge the loss to that batch (issue 34's Ray gaps)."""
+    With batches of 2 it is in batch 3, worker 1's second: the actor dies with the answer to batch 1 possibly still
+    on its way, so the first loss may be charged to batch 1, and only redoing owed batches one at a time names
+    batch 3 as the one that kills."""
 
     def __len__(self):
         return 16
 
     def __getitem__(self, index):
-        if index == 2:
+        if index == 6:
             os._exit(1)
         return torch.tensor([index])
 

@@ -19,43 +19,15 @@ import torch
 
 from fastfeed._ring import layout, segments
 from fastfeed._ring.ring import Ring
+from _link import ring, writer  # noqa: F401 (fixtures)
 from fastfeed._workers.ray import link as rs
-from fastfeed._workers.loop import SlotWriter
+from fastfeed._workers.ray.sender import CONNECT_TRIES, Sender
+from fastfeed._workers.ray import wire
 
 pytestmark = [pytest.mark.fastfeed_only, pytest.mark.hang_limit(30)]
 
 HOST = "127.0.0.1"
 MB = 1 << 20
-
-
-class RecordingWriter(SlotWriter):
-    """The main process's writer over ``ring``, remembering what it claimed and what it was given back."""
-
-    def __init__(self, ring: Ring):
-        super().__init__(ring.control, lambda claimed: ring.segment(claimed.slot_id), ring.numa_node)
-        self.claims: list[tuple] = []
-        self.abandoned: list[tuple] = []
-
-    def claim(self, nbytes):
-        got = super().claim(nbytes)
-        self.claims.append(got[:2])
-        return got
-
-    def abandon(self, slot_id, made):
-        self.abandoned.append((slot_id, made))
-        super().abandon(slot_id, made)
-
-
-@pytest.fixture
-def ring():
-    r = Ring(quiet=16)  # room for every frame of a test at once: the ring has no reason to warn
-    yield r
-    r.close()
-
-
-@pytest.fixture
-def writer(ring):
-    return RecordingWriter(ring)
 
 
 def _payload(n: int, seed: int) -> np.ndarray:
@@ -95,8 +67,13 @@ def _closed_by_peer(sock: socket.socket) -> bool:
         return True
 
 
-def _raw_hello(receiver, token=None, worker=0, key=0, magic=rs.HELLO_MAGIC) -> bytes:
-    return rs.HELLO.pack(magic, receiver.token if token is None else token, worker, key)
+def _raw_hello(worker=0, key=0, magic=wire.MAGIC) -> bytes:
+    return wire.HELLO.pack(magic, worker, key, os.urandom(wire.NONCE_BYTES))
+
+
+def _sealed(sender, magic, index, nbytes) -> bytes:
+    """A frame header sealed under ``sender``'s key, announcing ``nbytes`` of payload (none of which is sent)."""
+    return sender._wire._seal(magic, index, nbytes)[0]
 
 
 def test_frames_from_several_connections_land_in_slots_byte_for_byte(ring, writer):
@@ -106,7 +83,7 @@ def test_frames_from_several_connections_land_in_slots_byte_for_byte(ring, write
     sizes = {w: 3 * MB + 1001 * w + 7 for w in workers}  # odd sizes: no page-aligned end hides a short read
     later = {(w, i): 2 * MB + 13 * w + i for w in workers for i in (1, 2)}
     with rs.Receiver(writer, HOST) as receiver:
-        senders = {w: rs.Sender.connect(receiver.address, receiver.token, w, 100 + w, timeout_s=5) for w in workers}
+        senders = {w: Sender.connect(receiver.address, receiver.token, w, 100 + w, timeout_s=5) for w in workers}
         data = {(w, 0): _payload(sizes[w], w) for w in workers}
         data.update({wi: _payload(n, 10 * wi[0] + wi[1]) for wi, n in later.items()})
 
@@ -144,24 +121,29 @@ def test_frames_from_several_connections_land_in_slots_byte_for_byte(ring, write
 
 
 def test_a_wrong_token_or_magic_is_refused_and_never_yields_a_frame(writer, caplog):
-    """A hello with the wrong token (or protocol magic) gets no ack and is closed, even with a valid frame behind it;
-    nothing is claimed, the connection is counted, and the token never reaches the log."""
+    """An actor with the wrong secret, a hello of another protocol, or a forged proof gets no ack and is closed,
+    even with a frame behind it; nothing is claimed, the connection is counted, and the secret never reaches the
+    log."""
     with rs.Receiver(writer, HOST) as receiver:
         wrong = bytes(b ^ 0xFF for b in receiver.token)
-        with pytest.raises(OSError):
-            rs.Sender.connect(receiver.address, wrong, 1, 7, timeout_s=5)
-        for hello in (_raw_hello(receiver, token=wrong, worker=1, key=7),
-                      _raw_hello(receiver, worker=1, key=7, magic=b"NOTFFSTR")):
-            with socket.create_connection(receiver.address, timeout=5) as raw:
-                frame = _payload(4096, 0)
-                raw.sendall(hello + rs.FRAME.pack(rs.FRAME_MAGIC, 0, frame.nbytes) + frame.tobytes())
-                assert _closed_by_peer(raw)  # closed without the ack
-        _until(lambda: receiver.refused == 3)
+        with pytest.raises(ConnectionRefusedError):
+            Sender.connect(receiver.address, wrong, 1, 7, timeout_s=5)
+        frame = _payload(4096, 0).tobytes()
+        with socket.create_connection(receiver.address, timeout=5) as raw:
+            raw.sendall(_raw_hello(worker=1, key=7, magic=b"NOTFFSTR") + frame)
+            assert _closed_by_peer(raw)  # closed without a challenge
+        with socket.create_connection(receiver.address, timeout=5) as raw:
+            raw.sendall(_raw_hello(worker=1, key=7))
+            challenge = raw.recv(wire.CHALLENGE.size, socket.MSG_WAITALL)
+            assert len(challenge) == wire.CHALLENGE.size
+            raw.sendall(os.urandom(wire.PROOF_BYTES) + frame)  # a proof made without the secret
+            assert _closed_by_peer(raw)  # closed without the ack
+        _until(lambda: receiver.refused == CONNECT_TRIES + 2)  # Sender.connect tries again when refused
         with pytest.raises(rs.StreamBroken, match="worker 1 .*never connected"):
             receiver.take(1, 7, 0, timeout=0.2)
         assert writer.claims == []
         text = caplog.text
-        assert "wrong token" in text and "wrong protocol" in text
+        assert "proof did not check" in text and "wrong protocol" in text
         assert receiver.token.hex() not in text and repr(receiver.token) not in text
 
 
@@ -172,9 +154,9 @@ def test_a_silent_connection_is_dropped_after_the_handshake_timeout_without_hold
     with rs.Receiver(writer, HOST, handshake_timeout_s=timeout) as receiver:
         silent = socket.create_connection(receiver.address, timeout=10)
         partial = socket.create_connection(receiver.address, timeout=10)
-        partial.sendall(_raw_hello(receiver)[:20])
+        partial.sendall(_raw_hello()[:20])
         t0 = time.monotonic()
-        with rs.Sender.connect(receiver.address, receiver.token, 2, 0, timeout_s=5) as sender:
+        with Sender.connect(receiver.address, receiver.token, 2, 0, timeout_s=5) as sender:
             assert time.monotonic() - t0 < timeout  # not queued behind the silent peers' handshakes
             sender.send(0, _payload(100, 1))
             assert receiver.take(2, 0, 0, timeout=5) is not None
@@ -191,7 +173,7 @@ def test_a_connection_cut_mid_frame_yields_no_frame_and_gives_its_memory_back(ri
     slot (or the segment the writer made for it) is given back, and a frame that arrived before the cut stays."""
     size = 1 * MB + 3
     with rs.Receiver(writer, HOST) as receiver:
-        sender = rs.Sender.connect(receiver.address, receiver.token, 3, 9, timeout_s=5)
+        sender = Sender.connect(receiver.address, receiver.token, 3, 9, timeout_s=5)
         if into == "ring slot":  # two slots in the ring, both free again once checked
             for i in (0, 1):
                 sender.send(i, _payload(size, i))
@@ -202,7 +184,7 @@ def test_a_connection_cut_mid_frame_yields_no_frame_and_gives_its_memory_back(ri
         sender.send(2, kept)
         _until(lambda: receiver.batches[3] == (3 if into == "ring slot" else 1))
         raw = sender._sock
-        raw.sendall(rs.FRAME.pack(rs.FRAME_MAGIC, 3, size) + _payload(size // 2, 3).tobytes())
+        raw.sendall(_sealed(sender, rs.FRAME_MAGIC, 3, size) + _payload(size // 2, 3).tobytes())
         sender.close()
         with pytest.raises(rs.StreamBroken, match="worker 3 .*cut after"):
             receiver.take(3, 9, 3, timeout=5)
@@ -219,16 +201,22 @@ def test_a_connection_cut_mid_frame_yields_no_frame_and_gives_its_memory_back(ri
 
 
 @pytest.mark.parametrize("header", [
-    rs.FRAME.pack(b"JUNK", 0, 100),
-    rs.FRAME.pack(rs.FRAME_MAGIC, 0, 2**63),  # would otherwise ask the writer for 8 EiB
-    rs.FRAME.pack(rs.FRAME_MAGIC, 0, 0),
-], ids=["magic", "huge", "empty"])
+    lambda sender: _sealed(sender, b"JUNK", 0, 100),  # unsealable: _seal refuses a magic the actor never sends
+    lambda sender: wire.HEADER.pack(rs.FRAME_MAGIC, 0, 100) + b"\0" * wire.MAC_BYTES,  # no valid MAC
+    lambda sender: _sealed(sender, rs.FRAME_MAGIC, 0, 2**63),  # would otherwise ask the writer for 8 EiB
+    lambda sender: _sealed(sender, rs.TASK_MAGIC, 0, 100),  # a task's kind, travelling the wrong way
+], ids=["magic", "unsealed", "huge", "direction"])
 def test_garbage_instead_of_a_frame_header_breaks_the_stream_without_claiming(writer, header):
-    """A header with a wrong magic or an impossible size ends the stream before any memory is claimed."""
-    with rs.Receiver(writer, HOST) as receiver:
-        sender = rs.Sender.connect(receiver.address, receiver.token, 4, 1, timeout_s=5)
-        sender._sock.sendall(header + b"\0" * 100)
-        with pytest.raises(rs.StreamBroken, match="worker 4 .*garbage"):
+    """A header with no valid MAC, a wrong kind or an impossible size ends the stream before any memory is
+    claimed."""
+    with rs.Receiver(writer, HOST, max_frame_bytes=64 * MB) as receiver:
+        sender = Sender.connect(receiver.address, receiver.token, 4, 1, timeout_s=5)
+        try:
+            sealed = header(sender)
+        except ValueError:  # the sending side refuses to seal it: forge it as a stranger would
+            sealed = wire.HEADER.pack(b"JUNK", 0, 100) + os.urandom(wire.MAC_BYTES)
+        sender._sock.sendall(sealed + b"\0" * 100)
+        with pytest.raises(rs.StreamBroken, match="worker 4 .*frame refused"):
             receiver.take(4, 1, 0, timeout=5)
         sender.close()
         assert writer.claims == []
@@ -237,7 +225,7 @@ def test_garbage_instead_of_a_frame_header_breaks_the_stream_without_claiming(wr
 def test_a_batch_sent_twice_breaks_the_stream(writer):
     """The same task index twice on one stream is a confused sender: the second is not read, the first stays."""
     with rs.Receiver(writer, HOST) as receiver:
-        sender = rs.Sender.connect(receiver.address, receiver.token, 5, 1, timeout_s=5)
+        sender = Sender.connect(receiver.address, receiver.token, 5, 1, timeout_s=5)
         sender.send(0, _payload(1000, 0))
         try:
             sender.send(0, _payload(1000, 1))
@@ -255,7 +243,7 @@ def test_take_returns_none_on_timeout_and_the_frame_once_it_arrives(ring, writer
     """take() waits up to its timeout and returns None; the frame sent afterwards is returned; an unknown stream
     raises at once rather than waiting."""
     with rs.Receiver(writer, HOST) as receiver:
-        with rs.Sender.connect(receiver.address, receiver.token, 6, 0, timeout_s=5) as sender:
+        with Sender.connect(receiver.address, receiver.token, 6, 0, timeout_s=5) as sender:
             t0 = time.monotonic()
             assert receiver.take(6, 0, 0, timeout=0.2) is None
             assert time.monotonic() - t0 >= 0.2
@@ -274,10 +262,10 @@ def test_take_returns_none_on_timeout_and_the_frame_once_it_arrives(ring, writer
 def test_a_second_connection_for_the_same_actor_start_is_refused(writer):
     """One connection per actor start: a second hello naming it is refused, and the first stream goes on."""
     with rs.Receiver(writer, HOST) as receiver:
-        with rs.Sender.connect(receiver.address, receiver.token, 7, 3, timeout_s=5) as first:
+        with Sender.connect(receiver.address, receiver.token, 7, 3, timeout_s=5) as first:
             with pytest.raises(OSError):
-                rs.Sender.connect(receiver.address, receiver.token, 7, 3, timeout_s=5)
-            assert receiver.refused == 1
+                Sender.connect(receiver.address, receiver.token, 7, 3, timeout_s=5)
+            assert receiver.refused == CONNECT_TRIES  # Sender.connect tries again when refused
             first.send(0, _payload(10, 0))
             got = receiver.take(7, 3, 0, timeout=5)
             assert got is not None
@@ -288,7 +276,7 @@ def test_send_refuses_a_non_contiguous_buffer_without_breaking_the_stream(writer
     """Only one contiguous buffer goes out without a copy: anything else is the caller's error, and the stream is
     still usable after it; a multi-dimensional array goes out as its bytes."""
     with rs.Receiver(writer, HOST) as receiver:
-        with rs.Sender.connect(receiver.address, receiver.token, 8, 0, timeout_s=5) as sender:
+        with Sender.connect(receiver.address, receiver.token, 8, 0, timeout_s=5) as sender:
             with pytest.raises(ValueError, match="contiguous"):
                 sender.send(0, np.zeros((64, 64), dtype=np.uint8)[:, ::2])
             grid = _payload(4096, 8).reshape(64, 64)
@@ -303,7 +291,7 @@ def test_discard_gives_back_untaken_slots_and_leaves_no_thread_or_fd(ring, write
     same start later; closing then leaves the threads and descriptors found before the receiver."""
     fds, threads = _fds(), set(threading.enumerate())
     receiver = rs.Receiver(writer, HOST)
-    sender = rs.Sender.connect(receiver.address, receiver.token, 9, 5, timeout_s=5)
+    sender = Sender.connect(receiver.address, receiver.token, 9, 5, timeout_s=5)
     for i in (0, 1):
         sender.send(i, _payload(MB + i, i))
     _until(lambda: receiver.batches[9] == 2)
@@ -318,7 +306,7 @@ def test_discard_gives_back_untaken_slots_and_leaves_no_thread_or_fd(ring, write
     with pytest.raises(rs.StreamBroken, match="worker 9 .*discarded"):
         receiver.take(9, 5, 1, timeout=5)
     with pytest.raises(OSError):  # the replaced actor cannot come back
-        rs.Sender.connect(receiver.address, receiver.token, 9, 5, timeout_s=5)
+        Sender.connect(receiver.address, receiver.token, 9, 5, timeout_s=5)
     receiver.discard(9, 5)  # again: nothing left to do
     sender.close()
     receiver.close()
@@ -332,10 +320,10 @@ def test_close_ends_every_connection_gives_back_every_slot_and_is_idempotent(rin
     raises and connecting fails."""
     fds, threads = _fds(), set(threading.enumerate())
     receiver = rs.Receiver(writer, HOST, handshake_timeout_s=30)
-    done = rs.Sender.connect(receiver.address, receiver.token, 10, 0, timeout_s=5)
+    done = Sender.connect(receiver.address, receiver.token, 10, 0, timeout_s=5)
     done.send(0, _payload(MB, 0))
-    half = rs.Sender.connect(receiver.address, receiver.token, 11, 0, timeout_s=5)
-    half._sock.sendall(rs.FRAME.pack(rs.FRAME_MAGIC, 0, 2 * MB) + _payload(MB, 1).tobytes())
+    half = Sender.connect(receiver.address, receiver.token, 11, 0, timeout_s=5)
+    half._sock.sendall(_sealed(half, rs.FRAME_MAGIC, 0, 2 * MB) + _payload(MB, 1).tobytes())
     silent = socket.create_connection(receiver.address, timeout=5)
     _until(lambda: receiver.batches[10] == 1 and len(writer.claims) == 2)
     _until(lambda: len(set(threading.enumerate()) - threads) == 4)  # acceptor, two streams, one handshake
@@ -349,7 +337,7 @@ def test_close_ends_every_connection_gives_back_every_slot_and_is_idempotent(rin
     with pytest.raises(rs.StreamBroken, match="worker 10 .*closed"):
         receiver.take(10, 0, 0, timeout=5)
     with pytest.raises(OSError):
-        rs.Sender.connect(receiver.address, receiver.token, 12, 0, timeout_s=2)
+        Sender.connect(receiver.address, receiver.token, 12, 0, timeout_s=2)
     assert _closed_by_peer(silent)
     silent.close()
     done.close()
@@ -366,7 +354,7 @@ def test_tasks_and_answers_travel_the_link_in_order_and_wake_the_loop(ring, writ
     never comes times out with None."""
     news = []
     with rs.Receiver(writer, HOST, on_news=lambda: news.append(1)) as receiver:
-        sender = rs.Sender.connect(receiver.address, receiver.token, 3, 7, timeout_s=5)
+        sender = Sender.connect(receiver.address, receiver.token, 3, 7, timeout_s=5)
         for n in range(3):
             receiver.send(3, 7, n, pickle.dumps(("task", n)))
         assert [sender.task() for _ in range(3)] == [(n, ("task", n)) for n in range(3)]
@@ -388,8 +376,8 @@ def test_a_lost_actor_fails_the_calls_it_owes_and_answers_that_came_stay(writer)
     StreamBroken naming the worker; ``wait_gone`` sees it gone, and a send to it is dropped without raising."""
     news = []
     with rs.Receiver(writer, HOST, on_news=lambda: news.append(1)) as receiver:
-        sender = rs.Sender.connect(receiver.address, receiver.token, 4, 1, timeout_s=5)
-        other = rs.Sender.connect(receiver.address, receiver.token, 5, 1, timeout_s=5)
+        sender = Sender.connect(receiver.address, receiver.token, 4, 1, timeout_s=5)
+        other = Sender.connect(receiver.address, receiver.token, 5, 1, timeout_s=5)
         sender.answer(0, pickle.dumps("first"))
         _until(lambda: receiver.ready(4, 1, 0))
         assert receiver.wait_gone([(4, 1), (5, 1)], timeout=0.05) == [(4, 1), (5, 1)]
@@ -406,9 +394,10 @@ def test_a_lost_actor_fails_the_calls_it_owes_and_answers_that_came_stay(writer)
 def test_an_answer_cut_short_ends_the_link_and_is_never_taken(writer):
     """An answer frame whose bytes stop half way (the actor died sending it) is not unpickled or recorded."""
     with rs.Receiver(writer, HOST) as receiver:
-        sender = rs.Sender.connect(receiver.address, receiver.token, 6, 0, timeout_s=5)
+        sender = Sender.connect(receiver.address, receiver.token, 6, 0, timeout_s=5)
         payload = pickle.dumps(list(range(1000)))
-        sender._sock.sendall(rs.FRAME.pack(rs.ANSWER_MAGIC, 0, len(payload)) + payload[:100])
+        header, *_ = sender._wire.seal_message(rs.ANSWER_MAGIC, 0, payload)
+        sender._sock.sendall(header + payload[:100])
         sender.close()
         with pytest.raises(rs.StreamBroken, match="cut after 100 of answer 0"):
             receiver.answer(6, 0, 0, timeout=5)
@@ -433,7 +422,7 @@ def test_a_batch_sent_in_pieces_lands_as_fill_lays_it_out(ring, writer):
     expected, parts = _slot_bytes(batch)
     assert parts is not None and len(parts) > 5  # the images' own memory, one buffer each
     with rs.Receiver(writer, HOST) as receiver:
-        sender = rs.Sender.connect(receiver.address, receiver.token, 1, 0, timeout_s=5)
+        sender = Sender.connect(receiver.address, receiver.token, 1, 0, timeout_s=5)
         sender.send_pieces(0, parts, expected.nbytes)
         _check_in_ring(ring, receiver.take(1, 0, 0, timeout=10), expected)
         with pytest.raises(ValueError, match="add up"):
@@ -459,10 +448,118 @@ def test_closing_from_a_receiving_thread_neither_raises_nor_waits_on_itself(writ
             receiver.close()
 
     receiver = rs.Receiver(writer, HOST, on_news=news)
-    sender = rs.Sender.connect(receiver.address, receiver.token, 2, 0, timeout_s=5)
+    sender = Sender.connect(receiver.address, receiver.token, 2, 0, timeout_s=5)
     sender.answer(0, pickle.dumps("the answer whose arrival closes the receiver"))
     _until(lambda: closed)
     assert closed[0].name == "fastfeed-stream-w2"
     _until(lambda: set(threading.enumerate()) == threads)
     assert not [r for r in caplog.records if "failed" in r.getMessage()], caplog.text
     sender.close()
+
+
+# -- a link that no peer can stall or lock out ----------------------------------------------------------------------
+
+
+def _within(seconds: float, fn):
+    """``fn()``'s result, called in a thread: a call that does not return within ``seconds`` fails the test rather
+    than hanging it."""
+    out: list = []
+
+    def run():
+        try:
+            out.append((True, fn()))
+        except BaseException as e:  # noqa: BLE001 - raised again in the test's thread
+            out.append((False, e))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert out, f"{getattr(fn, '__name__', fn)} did not return within {seconds} s"
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
+
+
+def test_a_peer_that_stops_reading_stalls_only_its_own_link_which_ends_after_the_send_timeout(ring, writer):
+    """An actor stops reading its link while a task larger than the socket buffers is sent to it: send returns at
+    once, another actor's tasks, answers and batches still travel and stats() returns while the stuck link is still
+    open; the stuck link then ends, naming its worker, once the send timeout has passed, and closing leaves no
+    thread or descriptor behind."""
+    limit = 2.0
+    fds, threads = _fds(), set(threading.enumerate())
+    receiver = rs.Receiver(writer, HOST, send_timeout_s=limit)
+    stuck = Sender.connect(receiver.address, receiver.token, 1, 0, timeout_s=5)  # never reads its link
+    good = Sender.connect(receiver.address, receiver.token, 2, 0, timeout_s=5)
+    try:
+        t0 = time.monotonic()
+        _within(5, lambda: receiver.send(1, 0, 0, bytes(60 * MB)))  # far past both ends' socket buffers
+        _within(5, lambda: receiver.send(2, 0, 0, pickle.dumps("task")))
+        assert _within(5, good.task) == (0, "task")
+        data = _payload(MB + 5, 2)
+        good.send(0, data)
+        good.answer(0, pickle.dumps("done"))
+        assert _within(5, lambda: receiver.answer(2, 0, 0, timeout=5)) == "done"
+        _check_in_ring(ring, _within(5, lambda: receiver.take(2, 0, 0, timeout=5)), data)
+        assert _within(5, receiver.stats)["batches"] == {2: 1}
+        assert not receiver.ready(1, 0, 0)  # none of that waited for the stuck link's timeout
+        with pytest.raises(rs.StreamBroken, match="worker 1 .*took no byte of a task for 2 s"):
+            _within(limit + 15, lambda: receiver.answer(1, 0, 0, timeout=limit + 10))
+        assert time.monotonic() - t0 >= limit * 0.9
+        receiver.send(2, 0, 1, pickle.dumps("after"))  # the other link goes on
+        assert _within(5, good.task) == (1, "after")
+    finally:
+        stuck.close()  # unblocks a send that holds the receiver (the code before this test's change)
+    good.close()
+    _within(10, receiver.close)
+    _until(lambda: set(threading.enumerate()) == threads)
+    assert _fds() == fds
+
+
+def test_a_send_timeout_that_is_not_a_positive_number_is_refused_naming_it(writer):
+    """send_timeout_s of zero, a negative number or not a number is a ValueError that names it."""
+    for bad in (0, -1.0, "60", True):
+        with pytest.raises(ValueError, match="send_timeout_s must be a number of seconds above 0"):
+            rs.Receiver(writer, HOST, send_timeout_s=bad)
+
+
+def test_two_hundred_silent_connections_neither_lock_an_actor_out_nor_flood_the_log(ring, writer, caplog):
+    """200 connections that never say a word are held open to the receiver: an actor with the secret still gets in
+    at its first try, and its tasks and batches travel; the oldest silent ones were dropped to make room, counted in
+    ``refused``, in a bounded number of log lines."""
+    with rs.Receiver(writer, HOST, handshake_timeout_s=60) as receiver:
+        silent = []
+        try:
+            for _ in range(200):
+                silent.append(socket.create_connection(receiver.address, timeout=10))
+            _until(lambda: receiver.refused >= 200 - rs.MAX_HANDSHAKES_PER_SOURCE, timeout=20)
+            with Sender.connect(receiver.address, receiver.token, 3, 0, timeout_s=5, tries=1) as sender:
+                receiver.send(3, 0, 0, pickle.dumps("task"))
+                assert sender.task() == (0, "task")
+                data = _payload(2 * MB + 1, 3)
+                sender.send(0, data)
+                _check_in_ring(ring, receiver.take(3, 0, 0, timeout=10), data)
+            assert receiver.stats()["refused"] >= 200 - rs.MAX_HANDSHAKES_PER_SOURCE
+        finally:
+            for sock in silent:
+                sock.close()
+    lines = [r for r in caplog.records if "refused a batch stream connection" in r.getMessage()]
+    assert 0 < len(lines) <= rs.REFUSALS_LOGGED
+    assert "only counted" in lines[-1].getMessage()
+
+
+def test_the_receiver_knows_its_own_threads_even_while_one_holds_its_lock(writer):
+    """``on_own_thread`` is True on the receiver's threads (a link's reader, calling ``on_news`` as an answer
+    arrives) and False elsewhere, and answers without taking the lock: a finalizer run by a collection inside a
+    reader that holds it (the loader's stop) must learn where it runs without waiting on itself."""
+    seen = []
+    receiver = rs.Receiver(writer, HOST, on_news=lambda: seen.append(receiver.on_own_thread()))
+    with receiver:
+        assert not receiver.on_own_thread()
+        sender = Sender.connect(receiver.address, receiver.token, 1, 0, timeout_s=5)
+        with receiver._lock:  # as a reader inside its critical section: the answer does not need the lock
+            assert not receiver.on_own_thread()
+        sender.answer(0, pickle.dumps("done"))
+        _until(lambda: seen)
+        assert seen[0] is True
+        sender.close()

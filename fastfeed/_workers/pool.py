@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import warnings
+from multiprocessing.connection import Connection
 from pickle import PicklingError
 
 from . import messages as m
@@ -65,14 +66,32 @@ class Clock:
             raise RuntimeError(f"DataLoader timed out after {self.timeout} seconds")
 
 
+class _PipeEnd(Connection):
+    """The main process's end of a worker's pipe: once closed, its descriptor number is never used again.
+
+    ``Connection.__del__`` closes the descriptor but leaves the number set, so a stop that ran after it (the
+    pool freed by gc in the same cycle as its connections) would write to and close whatever reused the number.
+    """
+
+    def __del__(self):
+        self.close()
+
+
+def _pipe() -> tuple[Connection, _PipeEnd, Connection, _PipeEnd]:
+    """(task reader, task writer, result reader, result writer): the workers' ends plain (spawn pickles those)."""
+    task_r, task_w = os.pipe()
+    res_r, res_w = os.pipe()
+    return (Connection(task_r, writable=False), _PipeEnd(task_w, readable=False),
+            _PipeEnd(res_r, writable=False), Connection(res_w, readable=False))  # fmt: skip
+
+
 class Worker:
     __slots__ = ("worker_id", "process", "tasks", "results", "poller", "_child_ends")
 
-    def __init__(self, worker_id, context):
+    def __init__(self, worker_id):
         self.worker_id = worker_id
         self.process = None  # until launched
-        task_r, self.tasks = context.Pipe(duplex=False)  # main writes tasks
-        self.results, res_w = context.Pipe(duplex=False)  # main reads results
+        task_r, self.tasks, self.results, res_w = _pipe()  # main writes tasks, reads results
         self._child_ends = (task_r, res_w)
         self.poller = select.poll()
         self.poller.register(self.results.fileno(), _READY)
@@ -116,7 +135,7 @@ class Pool:
         self._fd_owner: dict[int, Worker] = {}
         self.blocked = 0  # receives that found no answer waiting, and waited
         try:
-            self.workers = [Worker(wid, context) for wid in range(num_workers)]
+            self.workers = [Worker(wid) for wid in range(num_workers)]
             args = [args_for(wid) for wid in range(num_workers)]  # all before first_started changes anything
             for w in self.workers:
                 w.launch(context, target, args[w.worker_id])
@@ -228,6 +247,10 @@ class Pool:
         else:
             how = "closed its pipe unexpectedly"
         return WorkerDied(f"DataLoader worker {w.worker_id} (pid {pid}) {how}.")
+
+    def on_own_thread(self) -> bool:
+        """Whether the caller runs on a thread of the pool's own: never (its workers are processes)."""
+        return False
 
     def stop(self, grace: float = STATUS_CHECK_S, idle: bool = False) -> None:
         """Ask every worker to exit; those still running after ``grace`` seconds are killed.

@@ -196,6 +196,10 @@ class ThreadPool:
         """Stop a worker that has nothing more to do (its IterableDataset ended)."""
         self._tasks[wid].put(m.Stop())
 
+    def on_own_thread(self) -> bool:
+        """Whether the caller is one of the worker threads (``stop`` from there does not wait for itself)."""
+        return threading.current_thread() in self.threads
+
     def stop(self, grace: float = STATUS_CHECK_S, idle: bool = False) -> None:
         """Ask every thread to exit; one still busy after ``grace`` (at most 1 s) is left behind.
 
@@ -213,6 +217,9 @@ class ThreadPool:
             q.put(m.Stop())
         deadline = time.monotonic() + min(grace, STOP_WAIT_S)
         for t in self.threads:
-            t.join(timeout=max(0.0, deadline - time.monotonic()))
+            # A collection that frees the iterator runs its finalizer (this) in whichever thread allocated: maybe
+            # a worker of this pool, which exits once that call returns and it reads its Stop.
+            if t is not threading.current_thread():
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
         self.all_gone = not any(t.is_alive() for t in self.threads)
         self.threads = []

@@ -12,8 +12,8 @@ six questions, the advice (predicted against measured) and the what-if runs. It 
 open it offline, attach it to an issue or keep it as a CI artifact.
 
 A job of several ranks: ``fastfeed doctor --nproc-per-node N [--nnodes M --node-rank R --rdzv-endpoint H:P]
-SCRIPT ARGS`` launches it as torchrun does (``launch``), or ``torchrun ... -m fastfeed doctor SCRIPT ARGS`` runs
-the doctor on every rank (``jobrun``); either way rank 0 reports on the whole job (``jobreport``).
+[--rdzv-id ID] SCRIPT ARGS`` launches it as torchrun does (``launch``), or ``torchrun ... -m fastfeed doctor SCRIPT
+ARGS`` runs the doctor on every rank (``jobrun``); either way rank 0 reports on the whole job (``jobreport``).
 """
 
 from __future__ import annotations
@@ -98,6 +98,8 @@ def add_parser(sub) -> None:
                      "--node-rank; default 1)")
     job.add_argument("--node-rank", type=int, default=0, help="this node's rank among the nodes (default 0)")
     job.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0, where the ranks meet (needed with --nnodes > 1)")
+    job.add_argument("--rdzv-id", help="the job's id, the same on every node (as torchrun's); each launch adds its "
+                     "own part (default: made of --rdzv-endpoint, or random on one node)")  # fmt: skip
     p.add_argument("--overrides", help=argparse.SUPPRESS)  # a job's closing launch: the setting, as JSON
     p.add_argument("--demo", nargs=argparse.REMAINDER, metavar="ARGS",
                    help=f"diagnose the built-in scenario ({DEMO}; ARGS are its own, e.g. --workers 2)")
@@ -154,7 +156,7 @@ def _job(args, target: str, argv: list[str], module: bool) -> int:
                       f"--nnodes (got {args.nproc_per_node}, {args.nnodes}, {args.node_rank})", file=sys.stderr)
                 return 2
             report = launch.examine_job(args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint,
-                                        target, argv, module, args.steps, args.whatif)  # fmt: skip
+                                        target, argv, module, args.steps, args.whatif, args.rdzv_id)  # fmt: skip
             if report is None:
                 say(f"node {args.node_rank}'s ranks are measured; node 0 reports on the job")
                 return 0

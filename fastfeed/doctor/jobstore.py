@@ -54,9 +54,15 @@ def capture() -> None:
         _captured.append(dist.distributed_c10d._get_default_store())
 
 
+def run_prefix(env=os.environ, prefix: str = "fastfeed/doctor") -> str:
+    """Where this launch's keys go in the job's store: under ``prefix``, the launch's run id (torchrun's
+    ``--rdzv-id``, distinct for each of ``fastfeed doctor``'s launches) and its restart count, from ``env``."""
+    return f"{prefix}/{env.get('TORCHELASTIC_RUN_ID', 'job')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
 def connect(prefix: str = "fastfeed/doctor") -> dist.Store:
-    """The job's store, under ``prefix`` and this launch's run id and restart count."""
-    run = f"{prefix}/{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    """The job's store, under ``prefix`` and this launch's run id and restart count (``run_prefix``)."""
+    run = run_prefix(os.environ, prefix)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                               timeout=timedelta(seconds=WAIT_S))  # fmt: skip

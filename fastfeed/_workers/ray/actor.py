@@ -45,6 +45,7 @@ from ..._ring.control import Control
 from .. import messages as m
 from .. import readahead
 from ..loop import SlotWriter, _seed, _seed_datapipe, serve
+from .wire import MessageTooLarge
 
 
 SHM, STREAM, STORE = "shm", "stream", "object store"  # the paths a batch takes to the ring (see the docstring)
@@ -157,7 +158,7 @@ class RayWorker:
     def __init__(self):
         self._thread = None
         self._channel = None
-        self._link = None  # this start's link.Sender, when its calls come over the loader's link
+        self._link = None  # this start's sender.Sender, when its calls come over the loader's link
         self._reader = None  # the thread that reads them
         self._epoch = None  # the key the main process gave the last start: its calls carry it
         self._next = 0  # the number of the call whose message goes to the loop next
@@ -268,7 +269,7 @@ class _Channel:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, writer=None, link=None):
         self.writer = BufferWriter() if writer is None else writer
-        self.link = link  # the link.Sender that the answers of the link's calls go back over
+        self.link = link  # the sender.Sender that the answers of the link's calls go back over
         self._loop = loop
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (message, its _Call or None, is its state request)
         self._taken: collections.deque = collections.deque()  # inbox entries the loop took and has not answered
@@ -368,7 +369,11 @@ def _answer(link, number: int, answer) -> None:
     except Exception as e:  # noqa: BLE001 (an exception that does not pickle: its text still goes)
         payload = m.dumps(RuntimeError(f"{type(answer).__name__}: {answer} (its answer did not pickle: {e})"))
     try:
-        link.answer(number, payload)
+        try:
+            link.answer(number, payload)
+        except MessageTooLarge as e:  # nothing was sent: the call still gets an answer, the error
+            link.answer(number, m.dumps(RuntimeError(f"{type(answer).__name__}: its answer does not fit the Ray "
+                                                     f"link: {e}")))  # fmt: skip
     except OSError:
         pass  # the link is gone: the loader sees it end, and replaces this actor
 
@@ -473,7 +478,7 @@ def _writer_for(spec, link: dict | None, worker_id: int, key: int):
             control = Control.attach(spec.control, spec.prefix)
             return RingWriter(control, lambda claimed: segments.attach(claimed.name)), None
         if want == STREAM and link.get("stream") is not None:
-            from .link import Sender
+            from .sender import Sender
 
             sender = Sender.connect(tuple(link["stream"]), link["token"], worker_id, key, STREAM_CONNECT_S)
             return StreamWriter(sender), None
@@ -483,12 +488,12 @@ def _writer_for(spec, link: dict | None, worker_id: int, key: int):
 
 
 def _link_for(writer, link: dict | None, worker_id: int, key: int):
-    """The ``link.Sender`` this start's calls and answers go over, or None (Ray's calls carry them). A
+    """The ``sender.Sender`` this start's calls and answers go over, or None (Ray's calls carry them). A
     streaming actor's is its stream; one beside the loop (shm) connects only for this."""
     if isinstance(writer, StreamWriter):
         return writer.sender
     if isinstance(writer, RingWriter) and link is not None and link.get("stream") is not None:
-        from .link import Sender
+        from .sender import Sender
 
         try:
             return Sender.connect(tuple(link["stream"]), link["token"], worker_id, key, STREAM_CONNECT_S)

@@ -15,24 +15,22 @@ and the actor sends back each answer, with the worker's state after it (``Sender
 where it streams them. A Ray call and ``ray.get`` cost the training loop's thread about half a millisecond each; a
 frame costs it a ``sendall`` or a dictionary look-up, which is what a worker process's pipe costs.
 
-Wire format (little-endian, fixed ``struct`` headers)::
+Wire format and trust: ``wire.py``, which says what the link protects (the secret never crosses it; every frame's
+header, and every task's and answer's payload, is authenticated under a per-connection key before it is used or
+unpickled; every size is bounded before anything is allocated for it; TLS where Ray uses it) and holds every
+function that reads a peer's bytes. This module moves those bytes: the handshake (hello, challenge, proof, ack)
+with one deadline for all of it, then sealed frames::
 
-    hello   HELLO_MAGIC (8 bytes), token (32 bytes), worker (uint32), key (uint64: which start of that worker)
-    ack     ACK (8 bytes), from the receiver once the stream is registered
-    frame   FRAME_MAGIC (4 bytes), task index (int64), nbytes (uint64), then exactly nbytes raw bytes
-    answer  ANSWER_MAGIC (4 bytes), call number (int64), nbytes (uint64), then nbytes of pickle: actor -> loader
-    task    TASK_MAGIC (4 bytes), call number (int64), nbytes (uint64), then nbytes of pickle: loader -> actor
+    batch   sealed header (FRAME_MAGIC, task index, nbytes; its MAC), then exactly nbytes raw bytes
+    answer  sealed header (ANSWER_MAGIC, call number, nbytes; its MAC), nbytes of pickle, the pickle's MAC
+    task    sealed header (TASK_MAGIC, call number, nbytes; its MAC), nbytes of pickle, the pickle's MAC
 
-A batch's bytes are never unpickled. An answer is unpickled only once its connection has presented the token, that
-is, only what an actor of this loader sent in this framing; a task, only by the actor that connected to the address
-and token the pool gave it through Ray.
-
-The token is a per-receiver secret (``secrets.token_bytes(32)``) compared with ``hmac.compare_digest``: a peer that
-sends a wrong token or magic, or says nothing within ``handshake_timeout_s``, is closed without an ack and counted in
-``refused``; the token is never logged. ``Sender.connect`` returns only after the ack, so by the time an actor tells
-the pool that it streams, the receiver knows its stream: ``take`` on a (worker, key) it does not know is an error at
-once, not a wait. An actor that cannot connect (a firewall, a refused token) gets an ``OSError`` and the caller falls
-back to the object store.
+A batch's bytes are never unpickled. A peer whose hello is not this protocol's, whose proof does not check, or which
+says nothing within ``handshake_timeout_s``, is closed without an ack and counted in ``refused``; the secret is never
+logged. ``Sender.connect`` returns only after the ack, so by the time an actor tells the pool that it streams, the
+receiver knows its stream: ``take`` on a (worker, key) it does not know is an error at once, not a wait. An actor
+that cannot connect (a firewall, a refused handshake) gets an ``OSError`` and the caller falls back to the object
+store. A frame whose MAC or size does not check ends its link (``StreamBroken``: the pool replaces the actor).
 
 No half batch is ever visible. A frame is recorded (and ``take`` can return it) only once all its bytes are in the
 slot; a connection that breaks, or sends garbage, inside a frame gives its slot back with ``writer.abandon``, and its
@@ -41,10 +39,22 @@ that had stay takeable until taken, discarded or closed). A second connection fo
 discarded, is refused: a replaced actor that is still alive cannot write into the ring after its replacement.
 
 Threads and descriptors. One daemon thread accepts; each connection gets its own thread, which does the handshake and
-then reads frames, and which alone closes its socket. ``discard`` and ``close`` end connections with ``shutdown``
-(which wakes a blocked ``recv_into``, and sends FIN even while a forked worker process holds a copy of the
-descriptor), then join the threads within a bound. Shutdowns and closes happen under the receiver's lock, so a
-shutdown never reaches a descriptor number that was closed and reused meanwhile.
+then reads frames. No lock is held across a blocking send or receive: ``send`` queues a task for the link's own
+writer thread (started by its first task), so a peer that stops reading (frozen, partitioned, a task larger than the
+socket buffers) stalls its own link only. A watchdog thread ends a link whose writer has handed the kernel nothing
+for ``send_timeout_s`` (the loader's ``timeout``, else ``SEND_TIMEOUT_S``), naming its worker: the pool replaces
+that actor as a lost one. ``discard`` and ``close`` end connections with ``shutdown`` (which wakes a blocked
+``recv_into`` or send, and sends FIN even while a forked worker process holds a copy of the descriptor), then join
+the threads within a bound. A socket is closed by the last of its reader and its writer to leave, and shutdowns and
+closes happen under the receiver's lock, so nothing is ever written into, shut down or closed on a descriptor number
+that was closed and reused meanwhile.
+
+Admission. Strangers can connect, so a connection costs only its handshake until it proves the secret: pending ones
+are capped per source address and in all (``MAX_HANDSHAKES_PER_SOURCE``, ``MAX_HANDSHAKES``), and a new one past a
+cap drops the oldest pending one rather than being refused; each is dropped at its handshake deadline anyway. An
+actor's handshake is a round trip, so silent peers cannot crowd it out, and ``Sender.connect`` tries again on the
+rare refusal. Refusals are counted (``refused``) and logged at most ``REFUSALS_LOGGED`` lines per
+``REFUSALS_LOG_S``.
 
 The writer is a ``SlotWriter`` over the ring (``loop.py``), shared with the main thread's own copies (Ray objects,
 ``pool._into_ring``): its claims are atomic bit operations on the ring's free list and its mapping cache is a
@@ -54,37 +64,38 @@ dict keyed by the claimed slot, so concurrent claims from several threads never 
 from __future__ import annotations
 
 import collections
-import hmac
-import itertools
 import logging
 import pickle
+import queue
 import secrets
 import socket
-import struct
 import threading
 import time
 
+from . import wire
+from .sockets import Tls, drop, fill, keepalive, pieces, read_by, send_all
+from .wire import ANSWER_MAGIC, FRAME_MAGIC, MAX_FRAME_BYTES, TASK_MAGIC, WireError  # noqa: F401 (FRAME_MAGIC: the tests')
+
 log = logging.getLogger("fastfeed")
 
-HELLO_MAGIC = b"FFSTRM\x00\x02"  # the last two bytes are the protocol's version
-HELLO = struct.Struct("<8s32sIQ")
-ACK = b"FFSTRMOK"
-FRAME_MAGIC = b"FFBT"
-ANSWER_MAGIC = b"FFAN"
-TASK_MAGIC = b"FFTK"
-FRAME = struct.Struct("<4sqQ")  # every frame's header: magic, index (a task's, or a call's number), nbytes
-# An answer is a reply and a worker's state: a few kilobytes (a batch's non-tensor parts, for one with many). Past
-# this, a header is garbage, not an answer.
-MAX_ANSWER_BYTES = 1 << 30
-TOKEN_BYTES = 32
-# A frame header's size field past this is garbage, not a batch: eight random bytes exceed it with probability
-# 1 - 2**-24, and without the bound they would make the writer create (and prefault) a segment of that size.
-MAX_FRAME_BYTES = 1 << 40
-MAX_HANDSHAKES = 64  # connections not yet past their hello: past this a flood of silent peers is refused, not served
+TOKEN_BYTES = wire.SECRET_BYTES  # the receiver's secret ("token", as the pool and actors call it)
+# Admission. Connections not yet past their handshake are held per source address, at most
+# MAX_HANDSHAKES_PER_SOURCE each and MAX_HANDSHAKES in all; a new one past either cap drops the oldest pending one
+# (of its source, else of all) rather than being refused. An actor's handshake takes a round trip, so peers that
+# stay silent until their deadline cannot crowd it out, and a new connection is never turned away for them.
+MAX_HANDSHAKES = 256
+MAX_HANDSHAKES_PER_SOURCE = 32
+# Handshake threads, dropped ones not yet ended included: past this the acceptor waits (peers queue in the backlog).
+MAX_HELLO_THREADS = 2 * MAX_HANDSHAKES
+# Refusals logged one line each, at most this many per REFUSALS_LOG_S; past that they are counted, and the next line
+# says how many went unlogged (a flood of strangers is one line per interval, not one per connection).
+REFUSALS_LOGGED = 10
+REFUSALS_LOG_S = 60.0
+# A link's peer that takes no byte of a task for this long is lost (frozen, partitioned, or not reading its link),
+# when the loader sets no timeout of its own: the link ends and the pool replaces the actor.
+SEND_TIMEOUT_S = 60.0
+SEND_CHUNK = 1 << 20  # a task is handed to the kernel this much at a time: each piece taken is progress
 JOIN_S = 5.0  # how long close() and discard() wait for the threads they end (a claim may be creating a segment)
-# Keepalive: a stream whose peer's machine vanished (no FIN, no RST) ends in about two minutes, not the kernel's
-# default of two hours, so that take() raises and the actor is replaced.
-KEEPALIVE = (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 6))
 
 
 class StreamBroken(ConnectionError):
@@ -96,29 +107,11 @@ class StreamBroken(ConnectionError):
         self.key = key
 
 
-def _keepalive(sock: socket.socket) -> None:
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in KEEPALIVE:
-        option = getattr(socket, name, None)  # Linux names; other systems keep their defaults
-        if option is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, option, value)
-
-
-def _fill(sock: socket.socket, view: memoryview) -> int:
-    """Read into all of ``view``; returns the bytes read, fewer only when the peer closed (or was shut down)."""
-    got, want = 0, len(view)
-    while got < want:
-        n = sock.recv_into(view[got:], want - got)
-        if not n:
-            break
-        got += n
-    return got
-
-
 class _Stream:
     """One actor start's connection: the frames it delivered and not yet taken, and why it ended (None: live)."""
 
-    __slots__ = ("worker", "key", "sock", "thread", "frames", "answers", "ended")
+    __slots__ = ("worker", "key", "sock", "thread", "frames", "sizes", "answers", "ended", "wire", "outbox", "writer",
+                 "sending")  # fmt: skip
 
     def __init__(self, worker: int, key: int, sock: socket.socket, thread: threading.Thread):
         self.worker = worker
@@ -126,8 +119,55 @@ class _Stream:
         self.sock = sock
         self.thread = thread
         self.frames: dict[int, tuple[int | None, str | None]] = {}
+        self.sizes: dict[int, int] = {}  # task index -> its frame's nbytes, while the frame is in ``frames``
         self.answers: dict[int, object] = {}  # call number -> its answer (unpickled), until taken
         self.ended: str | None = None
+        self.wire: wire.Channel | None = None  # the connection's keyed frames (sealed under the receiver's lock)
+        # Tasks go out from a thread of the link's own (``writer``, started by the first ``send``), fed through
+        # ``outbox`` (sealed frames; None: stop), so that no lock is held while a peer does not read.
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.writer: threading.Thread | None = None
+        self.sending: float | None = None  # when the writer last handed the kernel a piece (None: it is idle)
+
+
+class _Pending:
+    """Connections not yet past their handshake, oldest first, per source address (admission's book)."""
+
+    def __init__(self):
+        self._source: dict[socket.socket, str] = {}  # insertion order: oldest first
+        self._by_source: dict[str, dict[socket.socket, None]] = {}
+
+    def add(self, sock: socket.socket, source: str) -> None:
+        self._source[sock] = source
+        self._by_source.setdefault(source, {})[sock] = None
+
+    def discard(self, sock: socket.socket) -> None:
+        source = self._source.pop(sock, None)
+        if source is not None:
+            mine = self._by_source[source]
+            del mine[sock]
+            if not mine:
+                del self._by_source[source]
+
+    def crowding(self, source: str) -> list[socket.socket]:
+        """The oldest pending connections to drop so that one more from ``source`` stays within both caps."""
+        out = []
+        mine = list(self._by_source.get(source, ()))
+        out += mine[: max(0, len(mine) - MAX_HANDSHAKES_PER_SOURCE + 1)]
+        over = len(self._source) - len(out) - MAX_HANDSHAKES + 1
+        if over > 0:
+            dropping = set(out)
+            out += [s for s in self._source if s not in dropping][:over]
+        return out
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def __iter__(self):
+        return iter(list(self._source))
+
+    def __contains__(self, sock) -> bool:
+        return sock in self._source
 
 
 class Receiver:
@@ -138,18 +178,24 @@ class Receiver:
             ``claim(nbytes) -> (slot_id, made, base)`` (``base``: a uint8 CPU tensor of at least nbytes) and
             ``abandon(slot_id, made)``.
         host: the address to listen on (one the actors' machines can reach); the port is chosen by the system.
-        handshake_timeout_s: how long a new connection may take to send its hello.
-        max_frame_bytes: frames announcing more are garbage (see ``MAX_FRAME_BYTES``).
+        handshake_timeout_s: how long a new connection may take for its whole handshake (TLS's too).
+        max_frame_bytes: the largest batch frame accepted: a link whose header announces more is ended before any
+            memory is claimed for it. None: ``wire.frame_bound()`` (the shared-memory directory's capacity).
         on_news: called (from a receiving thread, with no lock held) when an answer arrives or a connection ends,
             so that a loop waiting in ``poll`` on other things too wakes (``pool._Wakeup.ring``).
+        send_timeout_s: how long a link's peer may take no byte of a task before that link ends, as a lost actor's
+            does (``SEND_TIMEOUT_S``; the pool sets the loader's ``timeout`` here). Settable later.
     """
 
     def __init__(self, writer, host: str, handshake_timeout_s: float = 10.0,
-                 max_frame_bytes: int = MAX_FRAME_BYTES, on_news=None):
+                 max_frame_bytes: int | None = None, on_news=None, send_timeout_s: float = SEND_TIMEOUT_S):
         self.token = secrets.token_bytes(TOKEN_BYTES)
+        self.send_timeout_s = send_timeout_s
         self._on_news = on_news
         self.handshake_timeout_s = handshake_timeout_s
-        self.max_frame_bytes = max_frame_bytes
+        self.max_frame_bytes = min(wire.frame_bound() if max_frame_bytes is None else max_frame_bytes,
+                                   MAX_FRAME_BYTES)
+        self._tls = wire.tls_context(server_side=True)  # None unless the Ray cluster uses TLS
         self.batches: collections.Counter = collections.Counter()  # frames received, per worker
         self.bytes: collections.Counter = collections.Counter()  # their payload bytes, per worker
         self.refused = 0  # connections closed before (or instead of) their ack
@@ -158,8 +204,17 @@ class Receiver:
         self._cond = threading.Condition(self._lock)
         self._streams: dict[tuple[int, int], _Stream] = {}
         self._gone: set[tuple[int, int]] = set()  # discarded starts: never let in again
-        self._handshaking: set[socket.socket] = set()
+        self._handshaking = _Pending()
+        self._hellos = 0  # threads still in their handshake (dropped ones included)
         self._threads: set[threading.Thread] = set()
+        # Sockets whose writer thread is still using them (its stream), and those of these whose reader has left:
+        # whichever of the two leaves last closes the socket.
+        self._writers: dict[socket.socket, _Stream] = {}
+        self._readerless: set[socket.socket] = set()
+        self._watchdog: threading.Thread | None = None  # ends links whose peer stopped taking tasks
+        self._stopping = threading.Event()
+        self._refusals_unlogged = 0
+        self._refusal_lines: collections.deque = collections.deque()  # when the last few refusals were logged
         self._closed = False
         family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
         self._listener = socket.create_server((host, 0), family=family, backlog=128)
@@ -172,9 +227,26 @@ class Receiver:
             self._listener.close()
             raise
 
+    def on_own_thread(self) -> bool:
+        """Whether the caller runs on one of this receiver's threads (its acceptor, a link's reader or writer, the
+        watchdog). Read without the lock, which that very thread may hold: a garbage collection runs finalizers in
+        whichever thread allocated, and one that stopped the loader from here would wait on itself."""
+        me = threading.current_thread()
+        return me is self._acceptor or me in self._threads or any(s.writer is me for s in list(self._writers.values()))
+
     @property
     def address(self) -> tuple[str, int]:
         return self._host, self._port
+
+    @property
+    def send_timeout_s(self) -> float:
+        return self._send_timeout_s
+
+    @send_timeout_s.setter
+    def send_timeout_s(self, seconds: float) -> None:
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+            raise ValueError(f"send_timeout_s must be a number of seconds above 0, not {seconds!r}")
+        self._send_timeout_s = float(seconds)
 
     def stats(self) -> dict:
         """Counters for ``DataLoader`` stats: batches and bytes per worker, and refused connections."""
@@ -183,17 +255,39 @@ class Receiver:
 
     # -- the main thread's side -----------------------------------------------------------------
 
-    def take(self, worker: int, key: int, index: int, timeout: float | None) -> tuple[int | None, str | None] | None:
+    def take(self, worker: int, key: int, index: int, timeout: float | None,
+             nbytes: int | None = None) -> tuple[int | None, str | None] | None:
         """The ``(slot_id, made)`` frame ``index`` of (worker, key) was written into, once it has all arrived.
 
         Waits up to ``timeout`` seconds (None: without limit); returns None when it has not arrived by then. The
         caller owns what it gets (``Ring.receive`` takes it as a worker's report).
 
+        Args:
+            nbytes: the batch's size as the actor's answer declares it (``Done.nbytes``). A frame of any other size
+                is refused: a short one would leave a slot's stale bytes in the batch. Its slot is given back and
+                the link ended.
+
         Raises:
-            StreamBroken: that start's connection ended, or was discarded, or never made, before the frame arrived.
+            StreamBroken: that start's connection ended, or was discarded, or never made, before the frame arrived;
+                or the frame is not ``nbytes`` long.
         """
-        return self._wait(worker, key, timeout, lambda stream: stream.frames.pop(index, None),
-                          lambda why: self._broken(worker, key, index, why))  # fmt: skip
+        got = self._wait(worker, key, timeout, lambda stream: _pop_frame(stream, index),
+                         lambda why: self._broken(worker, key, index, why))  # fmt: skip
+        if got is None:
+            return None
+        slot_id, made, size = got
+        if nbytes is None or size == nbytes:
+            return slot_id, made
+        self._writer.abandon(slot_id, made)
+        why = f"batch {index} arrived as {size} bytes, but its answer says {nbytes}"
+        with self._cond:
+            stream = self._streams.get((worker, key))
+            if stream is not None and stream.ended is None:
+                stream.ended = why
+                self._shutdown(stream.sock)
+            self._cond.notify_all()
+        log.warning("fastfeed: DataLoader worker %d (Ray actor start %d): %s; its link is ended", worker, key, why)
+        raise StreamBroken(worker, key, self._broken(worker, key, index, why))
 
     def _wait(self, worker: int, key: int, timeout: float | None, look, lost):
         """What ``look(stream)`` finds (not None) on the stream of (worker, key), waiting for it up to ``timeout``;
@@ -220,22 +314,103 @@ class Receiver:
     def send(self, worker: int, key: int, number: int, payload: bytes) -> None:
         """Send call ``number`` (a pickled message) to the actor of (worker, key) over its link.
 
-        Never raises for a link that is gone: it ends that link instead, and ``answer`` then raises ``StreamBroken``
-        for this call, which is where the pool learns of a lost actor."""
-        header = FRAME.pack(TASK_MAGIC, number, len(payload))
+        Returns at once: the link's own writer thread sends it. Never raises for a link that is gone: it ends that
+        link instead (so does a peer that takes none of it for ``send_timeout_s``), and ``answer`` then raises
+        ``StreamBroken`` for this call, which is where the pool learns of a lost actor."""
+        failed = None
         with self._cond:
             stream = self._streams.get((worker, key))
             if stream is None or stream.ended is not None:
                 return
-            try:
-                # Under the lock: the stream's thread closes the socket under it, so this never writes into a
-                # descriptor number reused meanwhile. A task is small and the actor reads its link in a thread of
-                # its own, so this does not wait on the dataset.
-                _send_all(stream.sock, [header, payload])
-            except OSError as e:
-                stream.ended = f"sending it call {number} failed ({type(e).__name__}: {e})"
-                self._shutdown(stream.sock)
-                self._cond.notify_all()
+            # Sealed and queued under one lock: the actor checks the tasks' sequence numbers in the order they go,
+            # and one writer sends them in the order queued.
+            stream.outbox.put((number, stream.wire.seal_message(TASK_MAGIC, number, payload)))
+            if stream.writer is None:
+                failed = self._start_writer(stream)
+        if failed is not None:
+            self._news()
+
+    def _start_writer(self, stream: _Stream) -> str | None:
+        """Start ``stream``'s writer thread (and the receiver's watchdog, the first time); under the lock. Returns
+        why the link ended instead, or None."""
+        writer = threading.Thread(target=self._write, args=(stream,), name=f"fastfeed-link-w{stream.worker}",
+                                  daemon=True)  # fmt: skip
+        watchdog = None
+        if self._watchdog is None:
+            watchdog = threading.Thread(target=self._watch, name="fastfeed-link-watch", daemon=True)
+        try:
+            if watchdog is not None:
+                watchdog.start()
+                self._watchdog = watchdog
+                self._threads.add(watchdog)
+            writer.start()
+        except RuntimeError as e:  # no thread to be had: this link cannot send, as if it were lost
+            stream.ended = f"no thread to send its tasks ({e})"
+            self._shutdown(stream.sock)
+            self._cond.notify_all()
+            return stream.ended
+        stream.writer = writer
+        self._writers[stream.sock] = stream
+        self._threads.add(writer)
+        return None
+
+    def _write(self, stream: _Stream) -> None:
+        """A link's writer thread: its tasks, in order, until it ends. The socket is closed by whichever of this
+        thread and the link's reader leaves last (both under the lock), so neither ever writes into, shuts down or
+        closes a descriptor number reused meanwhile."""
+        sock = stream.sock
+        with self._lock:
+            pass  # _start_writer registers this thread under the lock: this finally must find it registered
+        try:
+            while True:
+                item = stream.outbox.get()
+                if item is None or stream.ended is not None:
+                    return
+                number, frame = item
+                try:
+                    stream.sending = time.monotonic()
+                    for piece in pieces(frame, SEND_CHUNK):
+                        send_all(sock, piece)
+                        stream.sending = time.monotonic()  # progress: the watchdog's clock starts again
+                except Exception as e:  # noqa: BLE001 - whatever it was, this link cannot send: it ends
+                    self._fail(stream, f"sending it call {number} failed ({type(e).__name__}: {e})")
+                    return
+                finally:
+                    stream.sending = None
+        finally:
+            with self._cond:
+                self._writers.pop(sock, None)
+                self._threads.discard(threading.current_thread())
+                if sock in self._readerless:
+                    self._readerless.discard(sock)
+                    sock.close()
+
+    def _fail(self, stream: _Stream, why: str) -> None:
+        """End ``stream``'s link from this end (unless it ended already): shut its socket, which wakes its reader
+        and its writer, and tell the waiting loop."""
+        with self._cond:
+            if stream.ended is None:
+                stream.ended = why
+            self._shutdown(stream.sock)  # under the lock, as every close of it is (see _shutdown)
+            self._cond.notify_all()
+        self._news()
+
+    def _watch(self) -> None:
+        """The watchdog: ends each link whose writer has handed the kernel nothing for ``send_timeout_s`` (its
+        peer frozen, partitioned, or not reading), as a lost actor's link ends, naming its worker."""
+        while not self._stopping.wait(min(1.0, self.send_timeout_s / 4)):
+            now, limit, stuck = time.monotonic(), self.send_timeout_s, []
+            with self._lock:
+                for stream in self._writers.values():
+                    since = stream.sending
+                    if since is not None and stream.ended is None and now - since > limit:
+                        stuck.append(stream)
+            for stream in stuck:
+                why = (f"its actor took no byte of a task for {limit:g} s (frozen, unreachable, or not reading its "
+                       f"link)")  # fmt: skip
+                log.warning("fastfeed: DataLoader worker %d (Ray actor start %d): %s; the actor is treated as lost",
+                            stream.worker, stream.key, why)  # fmt: skip
+                self._fail(stream, why)
 
     def ready(self, worker: int, key: int, number: int) -> bool:
         """Whether ``answer`` would not wait: call ``number``'s answer is here, or the link ended."""
@@ -287,11 +462,14 @@ class Receiver:
             stream.frames.clear()
             stream.answers.clear()
             self._shutdown(stream.sock)
+            stream.outbox.put(None)  # its writer, if it has one, stops (the shutdown woke it if it was sending)
             self._cond.notify_all()
         for slot_id, made in untaken:
             self._writer.abandon(slot_id, made)
-        if stream.thread is not threading.current_thread():
-            stream.thread.join(JOIN_S)
+        deadline = time.monotonic() + JOIN_S
+        for thread in (stream.thread, stream.writer):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         """Stop accepting, end every connection, give back every slot not taken, and join the threads (bounded).
@@ -310,8 +488,11 @@ class Receiver:
                 if stream.ended is None:
                     stream.ended = "the receiver is closed"
                 self._shutdown(stream.sock)
+            for stream in {*streams, *self._writers.values()}:  # discarded ones' writers may be ending still
+                stream.outbox.put(None)
+            self._stopping.set()  # the watchdog
             for sock in self._handshaking:
-                self._shutdown(sock)
+                drop(sock)
             self._shutdown(self._listener)  # wakes accept() (EINVAL on Linux); the acceptor closes it
             threads = [self._acceptor, *self._threads]
             self._cond.notify_all()
@@ -333,16 +514,18 @@ class Receiver:
     @staticmethod
     def _shutdown(sock: socket.socket) -> None:
         # Under the lock (see the module's docstring); a socket its thread already closed raises EBADF.
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        drop(sock)
 
     # -- the receiver's threads ----------------------------------------------------------------
 
     def _accept(self) -> None:
         try:
             while True:
+                with self._cond:
+                    # Dropped handshakes end at once (shut down), so this waits only while a flood outruns them;
+                    # meanwhile new peers wait in the listen backlog, not refused.
+                    while self._hellos >= MAX_HELLO_THREADS and not self._closed:
+                        self._cond.wait(0.1)
                 try:
                     conn, peer = self._listener.accept()
                 except OSError:
@@ -350,26 +533,39 @@ class Receiver:
                         return
                     time.sleep(0.05)  # out of descriptors, say: the peer waits in the backlog meanwhile
                     continue
-                with self._lock:
-                    if self._closed or len(self._handshaking) >= MAX_HANDSHAKES:
+                if self._tls is not None:
+                    try:  # the TLS handshake itself runs in the connection's thread, under its deadline
+                        conn = Tls(self._tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False))
+                    except OSError:
                         conn.close()
-                        if not self._closed:
-                            self.refused += 1
-                            log.warning("fastfeed: refused a batch stream connection from %s: %d others are "
-                                        "still in their handshake", peer, MAX_HANDSHAKES)  # fmt: skip
                         continue
+                source = peer[0] if isinstance(peer, tuple) else str(peer)
+                with self._lock:
+                    if self._closed:
+                        conn.close()
+                        continue
+                    # Never refuse the newcomer: drop the oldest pending ones instead (see MAX_HANDSHAKES). Each
+                    # is only shut down here: its own thread, which reads it, counts the refusal and closes it.
+                    for old in self._handshaking.crowding(source):
+                        self._handshaking.discard(old)
+                        drop(old)
                     thread = threading.Thread(target=self._serve, args=(conn, peer), name="fastfeed-stream-hello",
                                               daemon=True)  # fmt: skip
-                    self._handshaking.add(conn)
+                    self._handshaking.add(conn, source)
                     self._threads.add(thread)
+                    self._hellos += 1
                 try:
                     thread.start()
-                except BaseException:
+                except BaseException as e:
                     with self._lock:
                         self._handshaking.discard(conn)
                         self._threads.discard(thread)
+                        self._hellos -= 1
                         conn.close()
-                    raise
+                    if not isinstance(e, RuntimeError):
+                        raise
+                    self._refuse(peer, f"no thread for its handshake ({e})")  # the process's thread limit
+                    time.sleep(0.05)
         finally:
             with self._lock:
                 self._listener.close()
@@ -378,7 +574,14 @@ class Receiver:
         """A connection's thread: its handshake, then its frames until it ends."""
         stream = None
         try:
-            stream = self._handshake(sock, peer)
+            try:
+                stream = self._handshake(sock, peer)
+            finally:
+                with self._cond:
+                    self._handshaking.discard(sock)
+                    self._hellos -= 1
+                    if self._hellos == MAX_HELLO_THREADS - 1:
+                        self._cond.notify_all()  # the acceptor may be waiting for room
             if stream is not None:
                 self._pump(stream)
         except Exception as e:  # noqa: BLE001 - a thread's error has nowhere to go: it ends its stream instead
@@ -387,55 +590,76 @@ class Receiver:
                 self._end(stream, f"{type(e).__name__}: {e}")
         finally:
             with self._cond:
-                self._handshaking.discard(sock)
                 self._threads.discard(threading.current_thread())
-                sock.close()
+                writing = self._writers.get(sock)
+                if writing is None:
+                    sock.close()
+                else:  # its writer still uses it: shut it (that wakes the writer), and the writer closes it
+                    self._readerless.add(sock)
+                    self._shutdown(sock)
+                    writing.outbox.put(None)
 
     def _refuse(self, peer, why: str) -> None:
         with self._lock:
             self.refused += 1
-        log.warning("fastfeed: refused a batch stream connection from %s: %s", peer, why)  # never the token
+            now, lines = time.monotonic(), self._refusal_lines
+            while lines and now - lines[0] > REFUSALS_LOG_S:
+                lines.popleft()
+            if len(lines) >= REFUSALS_LOGGED:  # a flood: counted in ``refused``, and in the next line logged
+                self._refusals_unlogged += 1
+                return
+            lines.append(now)
+            unlogged, self._refusals_unlogged = self._refusals_unlogged, 0
+            last = len(lines) == REFUSALS_LOGGED
+        more = f"; {unlogged} more were refused before this one, unlogged" if unlogged else ""
+        if last:
+            more += f"; further refusals within {REFUSALS_LOG_S:g} s are only counted (stats()['refused'])"
+        log.warning("fastfeed: refused a batch stream connection from %s: %s%s", peer, why, more)  # never the token
 
     def _handshake(self, sock: socket.socket, peer) -> _Stream | None:
-        """Read and check the hello, register the stream and ack it; None (and counted) when refused."""
-        hello = bytearray(HELLO.size)
-        view = memoryview(hello)
+        """The handshake (TLS's first, where Ray uses it): the actor's hello, this end's challenge, the actor's proof;
+        then the stream is registered and acked. None (and counted) when refused: one deadline for all of it, so a
+        peer trickling bytes gets no longer than a silent one, and no reply says which check failed."""
         deadline = time.monotonic() + self.handshake_timeout_s
-        got = 0
+        step = "its TLS handshake"
         try:
-            while got < len(hello):
-                # One deadline for the whole hello: a peer trickling bytes gets no longer than a silent one.
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError
-                sock.settimeout(remaining)
-                n = sock.recv_into(view[got:])
-                if not n:
-                    break
-                got += n
+            if isinstance(sock, Tls):
+                sock.settimeout(self.handshake_timeout_s)
+                sock.do_handshake()
+            step = "its hello"
+            hello = read_by(sock, wire.HELLO.size, deadline)
+            intro = wire.read_hello(hello)
+            challenge = wire.challenge(self.token, hello, secrets.token_bytes(wire.NONCE_BYTES))
+            step = "its proof"
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            sock.sendall(challenge)
+            transcript = wire.transcript(hello, challenge)
+            wire.check_proof(self.token, transcript, read_by(sock, wire.PROOF_BYTES, deadline))
         except TimeoutError:
-            self._refuse(peer, f"no hello within {self.handshake_timeout_s} s")
+            self._refuse(peer, f"no complete handshake within {self.handshake_timeout_s} s (waiting for {step})")
             return None
-        except OSError as e:
-            self._refuse(peer, f"{type(e).__name__} during its hello")
+        except EOFError:
+            self._refuse(peer, f"it closed during {step}")
             return None
-        if got < len(hello):
-            self._refuse(peer, f"it closed after {got} of the hello's {len(hello)} bytes")
+        except WireError as e:  # its text names the step, never a secret or a MAC
+            self._refuse(peer, str(e))
             return None
-        magic, token, worker, key = HELLO.unpack(hello)
-        # Both checks run on every hello, so the time taken says nothing about which one failed.
-        good_magic = hmac.compare_digest(magic, HELLO_MAGIC)
-        if not hmac.compare_digest(token, self.token) or not good_magic:
-            self._refuse(peer, "wrong protocol" if not good_magic else "wrong token")
+        except OSError as e:  # ssl.SSLError included: a peer without TLS, or a certificate not of the cluster's CA
+            self._refuse(peer, f"{type(e).__name__} during {step}: {e}")
             return None
+        worker, key = intro.worker, intro.key
+        key_bytes = wire.derive_key(self.token, transcript)
+        stream = _Stream(worker, key, sock, threading.current_thread())
+        stream.wire = wire.Channel(key_bytes, wire.TO_ACTOR, self.max_frame_bytes)
         with self._lock:
             if self._closed:
                 return None
+            # Only now, past the proof: a stranger cannot claim a (worker, key) ahead of the actor it names.
             if (worker, key) in self._streams or (worker, key) in self._gone:
                 why = "its actor start already connected once, or was discarded"
                 stream = None
             else:
-                stream = self._streams[worker, key] = _Stream(worker, key, sock, threading.current_thread())
+                self._streams[worker, key] = stream
                 self._handshaking.discard(sock)
         if stream is None:
             self._refuse(peer, f"worker {worker}, start {key}: {why}")
@@ -443,8 +667,8 @@ class Receiver:
         threading.current_thread().name = f"fastfeed-stream-w{worker}"
         try:
             sock.settimeout(None)  # between frames a stream may idle for as long as the loop does
-            _keepalive(sock)
-            sock.sendall(ACK)
+            keepalive(sock)
+            sock.sendall(wire.ack(key_bytes))
         except OSError as e:
             self._end(stream, f"could not acknowledge its hello: {e}")
             return None
@@ -463,30 +687,32 @@ class Receiver:
 
     def _pump(self, stream: _Stream) -> None:
         """Read frames into claimed slots until the connection ends; each complete one is recorded for take()."""
-        sock, writer = stream.sock, self._writer
-        header = bytearray(FRAME.size)
+        sock, writer, channel = stream.sock, self._writer, stream.wire
+        header = bytearray(wire.SEALED_HEADER_BYTES)
         hview = memoryview(header)
         try:
             while True:
                 try:
-                    got = _fill(sock, hview)
+                    got = fill(sock, hview)
                 except OSError as e:
                     self._end(stream, f"connection lost between batches ({type(e).__name__}: {e})")
                     return
                 if got == 0:
                     self._end(stream, "the actor closed its connection")
                     return
-                if got < FRAME.size:
-                    self._end(stream, f"connection cut inside a frame header ({got} of {FRAME.size} bytes)")
+                if got < len(header):
+                    self._end(stream, f"connection cut inside a frame header ({got} of {len(header)} bytes)")
                     return
-                magic, index, nbytes = FRAME.unpack(header)
-                if magic == ANSWER_MAGIC and 0 < nbytes <= MAX_ANSWER_BYTES:
-                    if not self._take_answer(stream, index, nbytes):
+                try:
+                    # Its MAC, then its kind and size: nothing is claimed or allocated for a header before both.
+                    magic, index, nbytes, _ = opened = channel.open_header(header)
+                except WireError as e:
+                    self._end(stream, f"a frame refused: {e}")
+                    return
+                if magic == ANSWER_MAGIC:
+                    if not self._take_answer(stream, opened):
                         return
                     continue
-                if magic != FRAME_MAGIC or not 0 < nbytes <= self.max_frame_bytes:
-                    self._end(stream, f"garbage instead of a frame header (magic {magic!r}, {nbytes} bytes)")
-                    return
                 with self._lock:
                     repeated = index in stream.frames
                 if repeated:
@@ -501,7 +727,7 @@ class Receiver:
                     # A view of the slot itself: the kernel copies the socket's bytes straight into it.
                     view = memoryview(base.numpy())[:nbytes]
                     try:
-                        got = _fill(sock, view)
+                        got = fill(sock, view)
                     finally:
                         view.release()
                         del base
@@ -519,6 +745,7 @@ class Receiver:
                     live = self._streams.get((stream.worker, stream.key)) is stream
                     if live:
                         stream.frames[index] = (slot_id, made)
+                        stream.sizes[index] = nbytes
                         self.batches[stream.worker] += 1
                         self.bytes[stream.worker] += nbytes
                         self._cond.notify_all()
@@ -528,19 +755,29 @@ class Receiver:
         finally:
             hview.release()
 
-    def _take_answer(self, stream: _Stream, number: int, nbytes: int) -> bool:
-        """Read answer ``number`` and record it for ``answer``; False when the link ended instead."""
-        payload = bytearray(nbytes)
+    def _take_answer(self, stream: _Stream, header: wire.Header) -> bool:
+        """Read the answer ``header`` (checked) announces, check its MAC and record it for ``answer``; False when
+        the link ended instead."""
+        number, nbytes = header.index, header.nbytes
+        payload = bytearray(nbytes + wire.MAC_BYTES)  # bounded: open_header checked nbytes <= MAX_MESSAGE_BYTES
+        view = memoryview(payload)
         try:
-            got = _fill(stream.sock, memoryview(payload))
+            got = fill(stream.sock, view)
         except OSError as e:
             self._end(stream, f"connection lost inside answer {number} ({type(e).__name__}: {e})")
             return False
-        if got < nbytes:
-            self._end(stream, f"connection cut after {got} of answer {number}'s {nbytes} bytes")
+        finally:
+            view.release()
+        if got < len(payload):
+            self._end(stream, f"connection cut after {got} of answer {number}'s {len(payload)} bytes")
             return False
-        # Past the token: what this loader's own actor sent, in this framing (see the module's docstring).
-        answer = pickle.loads(payload)
+        try:
+            stream.wire.check_message(header, memoryview(payload)[:nbytes], payload[nbytes:])
+        except WireError as e:
+            self._end(stream, f"answer {number} refused: {e}")
+            return False
+        # Authenticated: what this loader's own actor sent, under this connection's key (see wire.py).
+        answer = pickle.loads(memoryview(payload)[:nbytes])
         with self._cond:
             if self._streams.get((stream.worker, stream.key)) is not stream:
                 return False  # discarded or closed meanwhile: nobody will take it
@@ -555,142 +792,6 @@ class Receiver:
         return True
 
 
-def _send_all(sock: socket.socket, bufs: list) -> None:
-    """``sendall`` of several buffers in as few ``sendmsg`` calls as the socket takes them in: one for a header and
-    the payload it heads, unless the socket takes only part (a full buffer, a signal)."""
-    bufs = collections.deque(b for b in bufs if len(b))
-    while bufs:
-        sent = sock.sendmsg(list(itertools.islice(bufs, IOV_MAX)))
-        while sent:
-            head = bufs[0]
-            if sent >= len(head):
-                sent -= len(head)
-                bufs.popleft()
-            else:
-                bufs[0] = head[sent:]
-                sent = 0
-
-
-IOV_MAX = 1024  # buffers one sendmsg takes (Linux's UIO_MAXIOV)
-
-
-class Sender:
-    """An actor's end: one connection to the main process's ``Receiver``, frames sent in task order.
-
-    A send that fails leaves the connection closed (the receiver gives back the slot of the frame it cut), so the
-    caller sends that batch, and later ones, another way.
-    """
-
-    def __init__(self, sock: socket.socket):
-        self._sock: socket.socket | None = sock
-        self._lock = threading.Lock()  # batches and answers go out whole, one at a time, from any thread
-
-    @classmethod
-    def connect(cls, address: tuple[str, int], token: bytes, worker: int, key: int, timeout_s: float = 10.0,
-                send_timeout_s: float | None = None) -> Sender:
-        """Connect, introduce this actor start, and wait for the receiver's ack.
-
-        Args:
-            timeout_s: for the connection and the ack.
-            send_timeout_s: for each send afterwards (None: a send waits as long as the receiver does not read).
-
-        Raises:
-            OSError: no connection, or the receiver refused it (wrong token, a start it already knows, closed).
-        """
-        if len(token) != TOKEN_BYTES:
-            raise ValueError(f"a stream token is {TOKEN_BYTES} bytes, not {len(token)}")
-        sock = socket.create_connection(address, timeout=timeout_s)
-        try:
-            # The header and the payload's tail go out at once, not after the previous segment's (delayed) ack.
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _keepalive(sock)
-            sock.sendall(HELLO.pack(HELLO_MAGIC, token, worker, key))
-            ack = bytearray(len(ACK))
-            if _fill(sock, memoryview(ack)) < len(ACK) or bytes(ack) != ACK:
-                raise ConnectionRefusedError(f"the batch stream receiver at {address} refused worker {worker}")
-            sock.settimeout(send_timeout_s)
-        except BaseException:
-            sock.close()
-            raise
-        return cls(sock)
-
-    def send(self, index: int, buf) -> None:
-        """Send batch ``index``'s bytes: a contiguous buffer (numpy array, memoryview), not copied.
-
-        Raises:
-            OSError: the connection failed, now or before; it is closed.
-        """
-        payload = memoryview(buf)
-        if not payload.c_contiguous:
-            raise ValueError("a streamed batch must be one contiguous buffer")
-        payload = payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload
-        if not payload.nbytes:
-            raise ValueError("an empty batch has no bytes to stream")
-        with self._lock:
-            self._frame(FRAME.pack(FRAME_MAGIC, index, payload.nbytes), payload)
-
-    def send_pieces(self, index: int, pieces: list, nbytes: int) -> None:
-        """Send batch ``index``'s ``nbytes``, which are ``pieces`` (byte memoryviews) one after another, gathered
-        by the kernel from where they are (``sendmsg``), not copied into one buffer first.
-
-        Raises:
-            OSError: the connection failed, now or before; it is closed.
-        """
-        if not nbytes or sum(len(p) for p in pieces) != nbytes:
-            raise ValueError(f"a streamed batch's pieces must add up to its {nbytes} bytes, and to more than none")
-        with self._lock:
-            self._frame(FRAME.pack(FRAME_MAGIC, index, nbytes), *pieces)
-
-    def answer(self, number: int, payload: bytes) -> None:
-        """Send the answer to call ``number`` (pickled by the caller).
-
-        Raises:
-            OSError: the connection failed, now or before; it is closed.
-        """
-        with self._lock:
-            self._frame(FRAME.pack(ANSWER_MAGIC, number, len(payload)), memoryview(payload))
-
-    def _frame(self, header: bytes, *payload) -> None:
-        """Send one frame: ``header``, then the ``payload`` buffers one after another (the caller holds the lock)."""
-        sock = self._sock
-        if sock is None:
-            raise BrokenPipeError("the batch stream is closed")
-        try:
-            _send_all(sock, [memoryview(header), *payload])
-        except BaseException:
-            self.close()  # the frame may be cut: the receiver must see the connection end, not a next header
-            raise
-
-    def task(self) -> tuple[int, object] | None:
-        """The next call the loader sent (its number and message), waiting for it; None once the link ended.
-        Only one thread reads."""
-        sock = self._sock
-        header = bytearray(FRAME.size)
-        try:
-            if sock is None or _fill(sock, memoryview(header)) < FRAME.size:
-                return None
-            magic, number, nbytes = FRAME.unpack(header)
-            if magic != TASK_MAGIC or not 0 < nbytes <= MAX_ANSWER_BYTES:
-                return None
-            payload = bytearray(nbytes)
-            if _fill(sock, memoryview(payload)) < nbytes:
-                return None
-        except OSError:
-            return None
-        # What the loader sent: this actor connected to the address and token the pool gave it through Ray.
-        return number, pickle.loads(payload)
-
-    def close(self) -> None:
-        sock, self._sock = self._sock, None
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked reading it (close alone would not)
-            except OSError:
-                pass
-            sock.close()
-
-    def __enter__(self) -> Sender:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+def _pop_frame(stream: _Stream, index: int) -> tuple[int | None, str | None, int] | None:
+    frame = stream.frames.pop(index, None)
+    return None if frame is None else (*frame, stream.sizes.pop(index))

@@ -27,6 +27,8 @@ dies, or an answer is lost with its node (a link that ends is the same news: the
 connection), a new actor starts from the state after the last answer taken, as
 ``load_state_dict`` restarts a worker process, and the tasks still owed are sent to it again, in order: the user sees
 the batches of an uninterrupted run. A batch that keeps killing its actor raises after ``MAX_LOSSES`` replacements.
+The owed tasks are redone one at a time (the next sent once the last has answered), then the calls go pipelined
+again: the actor holds one task when it dies, so the loss is charged to the batch that caused it.
 
 Waiting for room. An actor no node of the cluster could ever host (``ray_options`` asking for more than any one node
 has) raises before anything starts. One that fits but finds every node busy waits: after ``EARLY_NOTICE_S`` the
@@ -41,9 +43,9 @@ waits for writes a byte into a pipe when it arrives (a callback of Ray's), and t
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import os
+import secrets
 import select
 import sys
 import threading
@@ -73,7 +75,6 @@ _LOCAL = "local"  # a StateRequest, answered here from the states that came with
 # call sent over the link is its number, an int; one sent through Ray, its reference.)
 _UNSENT = "unsent"
 _NOT_YET = "not yet"  # a link answer not here within the wait
-_epochs = itertools.count()  # keys of actor starts: an actor lets in the calls of its latest start only
 # Waiting for a streamed batch whose Done has come: its bytes were all sent before it, so only a connection that
 # stalls without breaking takes this long, and the actor is then replaced as if it were lost.
 STREAM_WAIT_S = 60.0
@@ -126,7 +127,8 @@ class Spare:
         self.actors.append((key, actor))
         self.ray = ray
         if self._finalizer is None:
-            self._finalizer = weakref.finalize(self, _kill_all, ray, self.actors)
+            # Only the process that made them kills them: a fork's copy exiting leaves its parent's actors be.
+            self._finalizer = weakref.finalize(self, _kill_owned, os.getpid(), ray, self.actors)
 
 
 _all_spares: weakref.WeakSet = weakref.WeakSet()
@@ -140,6 +142,11 @@ def free_spares() -> int:
         if spare.actors:
             _kill_all(spare.ray, spare.actors)
     return n
+
+
+def _kill_owned(owner: int, ray, actors: list) -> None:
+    if os.getpid() == owner:
+        _kill_all(ray, actors)
 
 
 def _kill_all(ray, actors: list) -> None:
@@ -158,7 +165,7 @@ def _kill(ray, actor) -> None:
 
 class _Worker:
     __slots__ = ("wid", "actor", "pending", "states", "start", "last", "resume_msg", "losses", "where", "epoch",
-                 "calls", "asked", "direct")  # fmt: skip
+                 "calls", "asked", "direct", "redo")  # fmt: skip
 
     def __init__(self, wid: int, actor):
         self.wid = wid
@@ -173,6 +180,9 @@ class _Worker:
         self.last = None  # StateReply after the last answer taken (None: none yet this epoch)
         self.resume_msg = None  # the Resume that began this epoch (persistent workers' later epochs)
         self.losses: collections.Counter = collections.Counter()  # actors lost, by the task they held
+        # Owed answers a replacement still redoes one call at a time (``_send_unsent``): while it does, the task in
+        # flight is the only one the actor holds, so a loss is charged to the batch that caused it.
+        self.redo = 0
         self.where = None  # {"host", "pid", "node_id"} of the actor, once started
 
 
@@ -282,7 +292,8 @@ class RayPool:
         """Start ``w``'s actor (its ``start`` call's reference); the calls after it are numbered afresh."""
         if self._receiver is not None and w.epoch is not None:
             self._receiver.discard(w.wid, w.epoch)  # the last start's connection and what it sent, not taken
-        w.epoch, w.calls, w.asked = next(_epochs), 0, time.monotonic()
+        # Unguessable, so that no key of a start to come can be named before the pool gives it to its actor.
+        w.epoch, w.calls, w.asked = secrets.randbits(64), 0, time.monotonic()
         w.direct = None if self._receiver is not None else False
         return w.actor.start.remote(w.epoch, w.wid, self._spec_ref, resume, sync, self._link)
 
@@ -323,7 +334,7 @@ class RayPool:
             return  # the actor is kept for the next epoch, or killed, by stop()
         if kind is m.Resume:
             w.resume_msg = message
-        w.pending.append([message, self._call(w, message)])
+        w.pending.append([message, _UNSENT if w.redo else self._call(w, message)])
 
     def retire(self, wid: int) -> None:
         """A worker whose IterableDataset ended: nothing more is sent to it (its actor waits for stop)."""
@@ -352,7 +363,7 @@ class RayPool:
     def recv(self, wid: int, timeout: float | None):
         """The next answer from worker ``wid``; raises on timeout, or once its batch has cost ``MAX_LOSSES`` actors."""
         w = self._worker(wid)
-        clock = Clock(timeout, self.hang_dump_s, self.dump_stacks)
+        clock = self._clock(timeout, [w])
         first = True
         while True:
             if not w.pending:
@@ -391,7 +402,7 @@ class RayPool:
 
     def recv_any(self, timeout: float | None):
         """The next answer from whichever worker answers first."""
-        clock = Clock(timeout, self.hang_dump_s, self.dump_stacks)
+        clock = self._clock(timeout, None)
         while True:
             self.wakeup.drain()  # before looking: an answer that comes after the look rings the poll below
             self._take_starts()  # a start that answered sends what waited for it
@@ -427,6 +438,26 @@ class RayPool:
                     return got
                 continue
             clock.check()
+
+    def _clock(self, timeout: float | None, workers: list | None) -> Clock:
+        """The clock of one wait for answers of ``workers`` (None: whichever owe one), whose timeout error names
+        them. The loader's ``timeout`` is also how long an actor may leave a task on its link unread before it
+        counts as lost (``link.Receiver.send_timeout_s``; ``link.SEND_TIMEOUT_S`` without one)."""
+        self.link_timeout(timeout)
+        return _NamingClock(timeout, self.hang_dump_s, self.dump_stacks, lambda: self._named(workers))
+
+    def link_timeout(self, timeout: float | None) -> None:
+        """Make the loader's ``timeout`` (None or 0: none) the links' send timeout."""
+        if self._receiver is not None:
+            from .link import SEND_TIMEOUT_S
+
+            self._receiver.send_timeout_s = timeout if timeout and timeout > 0 else SEND_TIMEOUT_S
+
+    def _named(self, workers: list | None) -> str:
+        if workers is None:
+            workers = [w for w in self.workers if w.pending and w.pending[0][1] is not _LOCAL]
+        return ", ".join(f"DataLoader worker {w.wid} (Ray actor, pid {(w.where or {}).get('pid', '?')} on "
+                         f"{(w.where or {}).get('host', '?')})" for w in workers) or "no worker"  # fmt: skip
 
     def wait(self, seconds: float, fds: tuple = ()) -> None:
         """Until an answer an actor owes at the front of its queue (over its link or through Ray) may be here, a
@@ -607,20 +638,21 @@ class RayPool:
             if type(reply) is m.Done and reply.nbytes and answer[2] is None and reply.slot_id is None \
                     and reply.made is None:  # fmt: skip
                 try:
-                    slot_id, made = self._streamed(w, reply.idx)
+                    slot_id, made = self._streamed(w, reply.idx, reply.nbytes)
                 except ConnectionError as e:
                     self._replace(w, e)
                     return None
                 answer = (reply._replace(slot_id=slot_id, made=made), answer[1], None)
         return answer
 
-    def _streamed(self, w: _Worker, idx: int):
-        """The slot into which the stream read task ``idx``'s batch; raises ConnectionError if it never will."""
+    def _streamed(self, w: _Worker, idx: int, nbytes: int):
+        """The slot into which the stream read task ``idx``'s batch, of the ``nbytes`` its ``Done`` declares;
+        raises ConnectionError if it never will (a frame of another size included: its link is ended)."""
         from .link import StreamBroken
 
         deadline = time.monotonic() + STREAM_WAIT_S
         while True:
-            got = self._receiver.take(w.wid, w.epoch, idx, min(1.0, max(0.0, deadline - time.monotonic())))
+            got = self._receiver.take(w.wid, w.epoch, idx, min(1.0, max(0.0, deadline - time.monotonic())), nbytes)
             if got is not None:
                 return got
             if time.monotonic() >= deadline:
@@ -639,10 +671,11 @@ class RayPool:
             if answer.get("fallback"):
                 self._warn_path(w, f"its batches go through Ray's object store: {answer['fallback']}")
             w.direct = bool(answer.get("direct"))
-            for entry in w.pending:  # what was sent to it meanwhile goes now, the way it says, in order
-                if entry[1] is _UNSENT:
-                    entry[1] = self._call(w, entry[0])
+            self._send_unsent(w)  # what was sent to it meanwhile goes now, the way it says, in order
             return None
+        if w.redo:
+            w.redo -= 1
+            self._send_unsent(w)  # the next owed call, or (the owed ones done) every call held back meanwhile
         reply, state, buf = answer
         if reply is None:
             return None  # a task after its iterable ended: torch's worker sends nothing for it either
@@ -659,6 +692,21 @@ class RayPool:
         if type(reply) is m.Done and buf is not None:  # the object store's path
             return self._into_ring(reply, buf)
         return reply
+
+    def _send_unsent(self, w: _Worker) -> None:
+        """Send ``w``'s calls that wait here (``_UNSENT``), in order: all of them, or while a replacement redoes
+        owed answers (``w.redo``), the next one only once no call is in flight, so that the actor holds one task."""
+        for entry in w.pending:
+            msg, ref = entry
+            if msg is _START or ref is _LOCAL:
+                continue
+            if ref is not _UNSENT:
+                if w.redo:
+                    return  # an owed call is in flight: the next one goes once it has answered
+                continue
+            entry[1] = self._call(w, msg)
+            if w.redo or entry[1] is _UNSENT:  # one at a time, or the start has not answered yet
+                return
 
     def _warn_path(self, w: _Worker, what: str) -> None:
         if w.wid not in self._warned_paths:  # one line per worker, however many starts it has
@@ -711,13 +759,19 @@ class RayPool:
             sync = {"shared_seed": w.resume_msg.shared_seed, "dataset_sync": w.resume_msg.dataset_sync}
         owed = [entry for entry in w.pending if entry[0] is not _START]
         start = self._begin(w, resume, sync)
+        # Owed calls are redone one at a time (``_send_unsent``), pipelined again once they have answered: sent
+        # together, a later one that kills the actor would lose the earlier ones' answers with it, and the loss
+        # would be charged to the first of them (the batch ``held`` names above).
         for entry in owed:
             if entry[1] is not _LOCAL:
-                entry[1] = self._call(w, entry[0])
+                entry[1] = _UNSENT
+        w.redo = sum(entry[1] is _UNSENT for entry in owed)
         w.pending = collections.deque([[_START, start], *owed])
+        self._send_unsent(w)
         self._noticed = False  # a replacement that finds no room is worth its own notice
         print(f"fastfeed: DataLoader worker {w.wid} (Ray actor) was lost ({type(error).__name__}); a new actor "
-              f"continues from its last batch and redoes {sum(type(e[0]) is m.Task for e in owed)} owed",
+              f"continues from its last batch and redoes {sum(type(e[0]) is m.Task for e in owed)} owed, one at a "
+              f"time",
               file=sys.stderr, flush=True)  # fmt: skip
 
     def dump_stacks(self, waited: float) -> None:
@@ -725,6 +779,12 @@ class RayPool:
                           if w.where)  # fmt: skip
         print(f"fastfeed: no batch for {waited:.0f} s from the Ray actor workers ({where or 'not started yet'}); "
               "`ray stack` on an actor's node prints its Python stack.", file=sys.stderr, flush=True)  # fmt: skip
+
+    def on_own_thread(self) -> bool:
+        """Whether the caller runs on one of the pool's own threads (its link's receiver's): ``stop`` from there
+        would wait on that thread."""
+        receiver = self._receiver
+        return receiver is not None and receiver.on_own_thread()
 
     def stop(self, grace: float = STATUS_CHECK_S, idle: bool = False) -> None:
         """Drop every owed answer; actors that owe nothing go back to the loader's spares, the others are killed
@@ -767,6 +827,20 @@ class RayPool:
             self._receiver.close()
             self._receiver = None
         self.wakeup.close()
+
+
+class _NamingClock(Clock):
+    """A ``Clock`` whose timeout error (torch's text) goes on to name the Ray actors waited for."""
+
+    def __init__(self, timeout: float | None, dump_s: float, dump, named):
+        super().__init__(timeout, dump_s, dump)
+        self._named = named  # () -> which workers, in words
+
+    def check(self) -> None:
+        try:
+            super().check()
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}: no answer from {self._named()}") from None
 
 
 def _short(index) -> str:
@@ -867,6 +941,7 @@ class MixedPool:
     def recv_any(self, timeout):
         """Whichever answers first, a process or an actor, both waited for in one ``poll`` (``in_order=False``)."""
         clock = Clock(timeout, self.hang_dump_s, self.dump_stacks)
+        self.remote.link_timeout(timeout)
         waited = False
         while True:
             self.remote.wakeup.drain()  # before looking: an answer that comes after the look rings the poll below
@@ -901,6 +976,9 @@ class MixedPool:
     def dump_stacks(self, waited: float) -> None:
         self.local.dump_stacks(waited)
         self.remote.dump_stacks(waited)
+
+    def on_own_thread(self) -> bool:
+        return self.local.on_own_thread() or self.remote.on_own_thread()
 
     def stop(self, grace: float = STATUS_CHECK_S, idle: bool = False) -> None:
         try:

@@ -144,7 +144,7 @@ def wire(nbytes: int, batches: int, host: str = "127.0.0.1") -> dict:
 
     import numpy as np
 
-    from ..._workers.ray.link import _fill as fill
+    from ..._workers.ray.sockets import fill
 
     dest = np.empty(nbytes, np.uint8)
     view = memoryview(dest)
