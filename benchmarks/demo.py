@@ -13,7 +13,8 @@ bench-results/doctor-demo/.
 Run: .venv/bin/python benchmarks/demo.py [--quick] [--rounds N] [--epoch-batches 0 60] [--out DIR]
 
 Transport runs in steady state (one long iterator) unless --epoch-batches says otherwise
-(benchmarks/transport.py's own default is epochs of 60 and 300).
+(benchmarks/transport.py's own default is epochs of 60 and 300, which the README's table shows). Under the table,
+each transport row says what it compared and why its figure differs from the README's row of that name.
 
 Measured (paste the table of a full run here):
   See docs/benchmarks/standard.md's tables: the demo runs the transport and overhead questions in fewer rounds.
@@ -54,16 +55,62 @@ def table(summary: dict, names: tuple[str, str]) -> str:
         The table: a title, a header, one row per comparison.
     """
     cand, base = names
+    # The label column is as wide as the longest label and two spaces: a label as long as a fixed width ran into
+    # the ratio beside it ("transport nw=2 vs torch nw=018.39x").
+    width = max([len(key) for key in summary] + [26]) + 2
     rows = [f"{cand}/{base} ratios, median over rounds; throughput (min-max) and absolute medians",
-            f"{'':28}{'throughput':>20}" + "".join(f"{title:>11}" for _, title in COLUMNS)
+            f"{'':{width}}{'throughput':>20}" + "".join(f"{title:>11}" for _, title in COLUMNS)
             + f"{cand:>17}{base:>17}"]
     for key, figs in summary.items():
         tput = figs["throughput"]
         spread = "" if tput["min"] is None else f" ({tput['min']:.2f}-{tput['max']:.2f})"
-        rows.append(f"{key:28}{_ratio(tput) + spread:>20}" + "".join(f"{_ratio(figs[f]):>11}" for f, _ in COLUMNS)
+        rows.append(f"{key:{width}}{_ratio(tput) + spread:>20}"
+                    + "".join(f"{_ratio(figs[f]):>11}" for f, _ in COLUMNS)
                     + f"{_runner.fmt(tput['candidate']):>9} {tput['unit']:<7}"
                     + f"{_runner.fmt(tput['baseline']):>9} {tput['unit']:<7}")
     return "\n".join(row.rstrip() for row in rows)
+
+
+def readme_notes(keys, opts: dict, rounds: int) -> list[str]:
+    """What each transport row of the demo compares, and why its figure differs from the README's row of that
+    name: the README's transport table is ``fastfeed bench``'s, run with transport's own defaults
+    (``transport.DEFAULTS``: whole epochs of 60 and 300 batches), the demo's is run with ``opts``.
+
+    Args:
+        keys: The table's row keys (``"<workload> <label>"``); only transport's are in the README.
+        opts: The transport comparisons' settings: warmup, batches, epoch_batches.
+        rounds: Rounds of the demo's run.
+
+    Returns:
+        A heading and a line per transport row; none when the table has no transport row.
+    """
+    readme = transport.DEFAULTS
+    ref = (f"fastfeed bench, {readme['batches']} batches a trial, {readme['rounds']} rounds, whole epochs with "
+           "persistent_workers=False")
+    lines = []
+    for key in keys:
+        if not key.startswith("transport "):
+            continue
+        label = key.removeprefix("transport ")
+        workers, _, against = label.partition(" vs ")
+        workers = workers.split(" epochs of ")[0]
+        epochs = label.rsplit("epochs of ", 1)[1] if "epochs of " in label else None
+        mode = f"whole epochs of {epochs} batches" if epochs else "steady state (one iterator, workers started once)"
+        what = (f"fastfeed at {workers} against torch " + ("loading in the main process (nw=0)" if against else
+                                                            f"at {workers}")
+                + f", {mode}, {opts['batches']} batches timed after {opts['warmup']} untimed, {rounds} rounds")
+        names = " and ".join(f'"{label.split(" epochs of ")[0]} epochs of {n}"' for n in readme["epoch_batches"])
+        if epochs is None:
+            start = ("which torch at nw=0 never pays, so there fastfeed's figure is lower" if against else
+                     "which both loaders pay")
+            why = f"The README's {names} ({ref}) count each epoch's worker start, {start}; here the workers start once"
+        else:
+            why = f"The README's row of this name ({ref}) measures the same, on its own machine and load"
+        if opts["batches"] < readme["batches"]:
+            why += (f"; with {opts['batches']} timed batches, those the workers made during the warm-up weigh more: "
+                    "a higher, wider ratio")
+        lines.append(f"  {key}: {what}. {why}.")
+    return ["Transport rows against the README's transport table:", *lines] if lines else []
 
 
 def run_example(rounds: int) -> dict:
@@ -107,8 +154,11 @@ def main(argv=None) -> dict:
         if script is transport:
             opts["epoch_batches"] = args.epoch_batches
         comps += script.comparisons(**opts)
+        if script is transport:
+            transport_opts = opts
     result = _runner.run_script("demo", comps, args, quiet=True)
     print(table(result["summary"], (result["params"]["candidate"], "torch")))
+    print("\n".join(readme_notes(result["summary"], transport_opts, args.rounds)))
     print("\nfastfeed run on a script written for torch alone (benchmarks/plain_torch.py, unchanged):", flush=True)
     example = run_example(1 if args.quick else 3)
     python, ours = example["seconds"]["python"], example["seconds"]["fastfeed run"]

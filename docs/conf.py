@@ -1,5 +1,6 @@
 """Sphinx configuration of fastfeed's documentation site: Markdown pages (MyST), furo, and an API reference
-generated from the docstrings (autodoc + napoleon). Build: ``python -m sphinx -W --keep-going -b html docs OUT``."""
+generated from the docstrings (autodoc + napoleon). Build: ``bash scripts/docs.sh`` (set-up, then
+``.venv/bin/python -m sphinx -W --keep-going -b html docs docs/_build/html``)."""
 
 import sys
 from pathlib import Path
@@ -13,7 +14,19 @@ project = "fastfeed"
 author = "fastfeed contributors"
 copyright = "fastfeed contributors"
 
-from fastfeed import __version__ as release  # noqa: E402
+# The API reference is made from fastfeed's docstrings, so the build imports fastfeed, and with it torch and the C++
+# extension built from csrc/. Without them Sphinx would only say "programmable error in your configuration file";
+# name the one command that installs them instead.
+try:
+    from fastfeed import __version__ as release  # noqa: E402
+except ImportError as err:
+    from sphinx.errors import ConfigError
+
+    raise ConfigError(
+        f"the docs build imports fastfeed, and here it cannot: {err}.\n"
+        "Build the site with `bash scripts/docs.sh` (it runs scripts/setup.sh, which creates .venv with torch, "
+        "fastfeed and docs/requirements.txt, then Sphinx in .venv), or run Sphinx with .venv/bin/python."
+    ) from err
 
 version = release
 
@@ -39,7 +52,8 @@ napoleon_numpy_docstring = False
 
 html_theme = "furo"
 html_title = f"fastfeed {release}"
-html_static_path = []
+html_static_path = ["_static"]
+html_css_files = ["wrap.css"]  # code blocks wrap instead of scrolling sideways (see the file)
 smartquotes = False  # keep "process" and the like as typed, in tables too
 napoleon_use_param = False  # one "Parameters" list; it also keeps "*args, **kwargs" entries intact
 

@@ -106,6 +106,13 @@ def no_leaks(request):
         )
 
 
+# The backstop's stack dump, in a file: while a test runs, pytest has its stderr captured, and a process that
+# faulthandler ends takes the captured text with it. scripts/test.sh prints the file when the run fails.
+HANG_DUMP = os.environ.get("FASTFEED_HANG_DUMP") or os.path.join(os.path.dirname(os.path.dirname(__file__)),
+                                                                  ".pytest-hang.txt")  # fmt: skip
+_hang_file = open(HANG_DUMP, "w")  # noqa: SIM115 - open for the whole session: faulthandler writes to its fd
+
+
 class HangGuardTimeout(Exception):
     """The test ran past its hang limit."""
 
@@ -126,11 +133,17 @@ def hang_guard(request, no_leaks):
     signal.alarm(limit)
     # If the alarm can't interrupt (stuck in native code holding the GIL), dump every
     # thread's stack and exit rather than hang the whole suite.
-    faulthandler.dump_traceback_later(limit + 30, exit=True)
+    _hang_file.seek(0)
+    _hang_file.truncate()
+    _hang_file.write(f"{request.node.nodeid} still running after {limit + 30} s; every thread's stack:\n")
+    _hang_file.flush()
+    faulthandler.dump_traceback_later(limit + 30, exit=True, file=_hang_file)
     try:
         yield
     finally:
         faulthandler.cancel_dump_traceback_later()
+        _hang_file.seek(0)
+        _hang_file.truncate()
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
 

@@ -217,7 +217,7 @@ def test_a_jobs_page_has_the_jobs_verdict_first_and_a_lane_per_rank():
     assert [s["name"] for s in data["tracks"][1]["series"]] == [f"rank {r}" for r in range(4)]
     ranks = parsed.text["ranks"]
     assert all(f"node{r // 2}" in ranks for r in range(4)) and "straggler" in ranks
-    assert "The six questions (rank 0's loop)" in parsed.text["questions"]
+    assert "The six questions (rank 1's loop, the rank the verdict is about)" in parsed.text["questions"]
     for a in d["job"]["advice"]:
         assert a["change"] in parsed.text["advice"]
     assert "not run" in parsed.text["whatif"]  # a job's ceilings are skipped, and say why

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 from .. import _script
@@ -33,11 +34,38 @@ HTML_NAME = "report.html"  # --html without --out: in the current directory
 
 
 
+# torchrun's environment, which a DDP script reads (init_process_group's env://, or os.environ[...] itself)
+JOB_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_JOB_ENV_MISSING = re.compile(r"environment variable (%s) expected, but not set" % "|".join(JOB_ENV))
+
+
+def job_hint(error: BaseException | None) -> str | None:
+    """For a script run alone that failed for want of torchrun's environment (``RANK`` unset, as torch's env://
+    rendezvous says, or a ``KeyError`` on one of its variables): how to run it as a job under the doctor."""
+    if error is None:
+        return None
+    missing = isinstance(error, KeyError) and bool(error.args) and error.args[0] in JOB_ENV
+    chain = [error, error.__cause__, error.__context__]
+    if not missing and not any(e is not None and _JOB_ENV_MISSING.search(str(e)) for e in chain):
+        return None
+    return ("the script expects torchrun's environment (RANK, WORLD_SIZE, ...): it is a job of several ranks; "
+            "run it as fastfeed doctor --nproc-per-node N SCRIPT ARGS (N ranks on this machine)")
+
+
+def _failed(e: BaseException) -> None:
+    """The doctor's error line: ``e``'s text once prefixed, whether or not it names the command itself."""
+    print(f"fastfeed doctor: {str(e).removeprefix('fastfeed doctor: ')}", file=sys.stderr)
+
+
 def examine(target: str, argv: list[str], module: bool = False, steps: int = 300, whatifs: bool = True):
     """The measured run, then (``whatifs``) the ceilings and the advised setting re-measured. Returns the report."""
     say(f"measuring {target} for up to {steps} batches")
     report, watch, error = script.run(target, argv, module, steps=steps)
     primary = report.timeline.primary()
+    script.show_traceback(error)
+    hint = job_hint(error)
+    if hint:
+        say(hint)
     if primary is None or primary.batches == 0:
         watch.hooks.release()
         why = f"it ended with {error!r}" if error else "no DataLoader was iterated"
@@ -63,11 +91,10 @@ def examine(target: str, argv: list[str], module: bool = False, steps: int = 300
     if why:
         skipped["compute_ceiling"] = why
     verdict = report.verdict()
-    advice = [a for a in verdict.advice if a["setting"]]
-    if not advice:
-        skipped["closing"] = "no setting to change"
+    best = whatif.closing_choice(verdict.advice)
+    if best is None:
+        skipped["closing"] = whatif.no_closing(verdict.advice)
         return report
-    best = advice[0]
     say(f"what-if: the script again with {best['change']} (closing the loop)")
     run, why = whatif.rerun(target, argv, module, steps, best["setting"])
     if run is None:
@@ -80,9 +107,14 @@ def examine(target: str, argv: list[str], module: bool = False, steps: int = 300
     return report
 
 
+def plain(doc: str) -> str:
+    """A docstring as ``--help`` shows it: plain text, without reStructuredText's double backticks."""
+    return doc.replace("``", "")
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("doctor", help="run a training script, measure why the GPU idles, and check the advice",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+                       description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--steps", type=int, default=300, help="batches to measure (default 300)")
     p.add_argument("--out", help="directory for report.json, report.txt, report.html, timeline.png, trace.json "
                    "(Perfetto)")  # fmt: skip
@@ -125,7 +157,7 @@ def main(args) -> int:
     try:
         report = examine(target, argv, module, args.steps, args.whatif)
     except (script.ScriptFailed, FileNotFoundError) as e:
-        print(f"fastfeed doctor: {e}", file=sys.stderr)
+        _failed(e)
         return 1
     return _show(report, args)
 
@@ -166,7 +198,7 @@ def _job(args, target: str, argv: list[str], module: bool) -> int:
         report = jobrun.run_rank(env, target, argv, module, args.steps, overrides)
     except (script.ScriptFailed, FileNotFoundError, ValueError, jobstore.JobError, launch.LaunchFailed,
             jobrun.RankFailed) as e:
-        print(f"fastfeed doctor: {e}", file=sys.stderr)
+        _failed(e)
         return 1
     if report is None or os.environ.get(jobrun.JOB_DIR):  # another rank, or fastfeed's launcher reports
         return 0

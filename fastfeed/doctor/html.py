@@ -245,7 +245,8 @@ def _table(head: list[str], rows: list[list[str]], cls: str = "") -> str:
 def _questions(d: dict) -> str:
     rows = [[str(i), _e(q["question"]), f'<span class="num">{_e(_fmt(q["value"], q["unit"]))}</span>', _e(q["how"])]
             for i, q in enumerate(d["questions"], 1)]  # fmt: skip
-    who = " (rank 0's loop)" if "job" in d else ""
+    rank = d.get("questions_rank", 0)
+    who = f" (rank {rank}'s loop, the rank the verdict is about)" if "job" in d else ""
     return (f'<section id="questions"><h2>The six questions{who}</h2>'
             + _table(["#", "question", "answer", "how it was measured"], rows, "questions") + "</section>")
 
@@ -264,7 +265,9 @@ def _advice(d: dict) -> str:
     for a in advice:
         predicted = ("not predicted" if a.get("predicted_gain") is None else
                      f"{_num(a.get('predicted_samples_per_s'))} samples/s ({_x(a['predicted_gain'])})")
-        if closing and closing.get("change") == a["change"]:
+        if a.get("needs"):  # advice for another machine: what to start, never run here
+            measured = f'<span class="muted">not measured here: needs {_e(a["needs"])}</span>'
+        elif closing and closing.get("change") == a["change"]:
             measured = (f"<strong>{_num(closing.get('samples_per_s'))} samples/s ({_x(closing.get('gain'))})"
                         "</strong>")
             tried = True

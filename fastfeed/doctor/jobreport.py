@@ -1,12 +1,14 @@
 """The doctor's report on a job of several ranks: one verdict for the job, then one line per rank.
 
 ``report.json`` keeps the single-process report's fields at the top level, for rank 0 (its verdict knows the
-sync it measured against the other ranks), and adds:
+sync it measured against the other ranks), but for ``questions``: the six questions are answered for the rank the
+job's verdict is about (its slowest, a straggler when there are any), named by ``questions_rank``. It adds:
 
 - ``job``: ``{"verdict": {bottleneck (input | compute | sync), cause, severity, line}, "stragglers": [rank, ...]
   (empty: no rank is slower than the others), "lost": the share of their loop the other ranks lose waiting for
-  the stragglers, "step_s", "collectives_s" (per step, the sync even the slowest rank has), "world",
-  "advice": [... each with "rank": the rank whose loader it changes, and the job's predicted gain]}``;
+  the stragglers, "step_s", "collectives_s" (per step, the sync even the slowest rank has), "about" (the slowest
+  rank), "world", "advice": [... each with "rank": the rank whose loader it changes, and the job's predicted
+  gain]}``;
 - ``ranks``: ``[{"rank", "host", "local_rank", "offset_s", "verdict": {...}, "shares": {"input", "sync",
   "compute"} (fractions of that rank's loop), "own_step_s", "samples_per_s", ...}]``.
 
@@ -19,7 +21,7 @@ from __future__ import annotations
 from .evidence import ms
 from .jobverdict import JobVerdict, judge
 from .ranks import RankRecord
-from .report import Report, write_page, write_texts
+from .report import Report, needs, write_page, write_texts
 
 CEILINGS_SKIPPED = ("for a job, each rank's loader alone or the script fed cached batches would be a second job "
                     "whose ranks compete for the machine; the closing launch measures the advice instead")
@@ -44,9 +46,10 @@ class JobReport:
         return {"records": [r.to_dict() for r in self.records], "whatif": self.whatif, "command": self.command}
 
     def closing_advice(self) -> dict | None:
-        """The advice the closing launch applies: the first with a setting, or None."""
+        """The advice the closing launch applies: the first with a setting that runs here (``needs`` unset), or
+        None."""
         for item in self.job.advice:
-            if item.get("setting"):
+            if item.get("setting") and not item.get("needs"):
                 return {k: item[k] for k in ("change", "setting", "rank", "predicted_gain", "predicted_samples_per_s")}
         return None
 
@@ -66,6 +69,10 @@ class JobReport:
         top.whatif = self.whatif
         d = top.to_dict()
         d["job"] = {**self.job.as_dict(), "world": len(self.records), **self.job_rate()}
+        # The six questions are asked of one loop: the rank the job's verdict is about (its slowest), not rank 0,
+        # whose loop may only wait for it.
+        about = next(v for v in self.job.ranks if v.rank == self.job.about)
+        d["questions"], d["questions_rank"] = about.verdict.questions, about.rank
         d["ranks"] = [v.as_dict() for v in self.job.ranks]
         return d
 
@@ -88,7 +95,7 @@ class JobReport:
         for a in job["advice"]:
             gain = "" if a["predicted_gain"] is None else f" -> predicted job gain {a['predicted_gain']:.2f}x"
             who = "" if a.get("rank") is None else f" (rank {a['rank']}'s loader, applied on every rank)"
-            lines.append(f"  - {a['change']}{who}{gain}: {a['why']}")
+            lines.append(f"  - {a['change']}{who}{gain}: {a['why']}{needs(a)}")
         c = d["whatif"].get("closing")
         if c:
             lines.append(f"what-if: the job again with {c['change']}: {c['samples_per_s']:.1f} samples/s per rank, "
@@ -106,7 +113,8 @@ class JobReport:
 
     def html(self, d: dict | None = None) -> str:
         """The job's report as one self-contained HTML page (``fastfeed.doctor.html``): the job's verdict, the
-        ranks, a zoomable timeline with a lane per rank, rank 0's six questions, the advice and the what-if."""
+        ranks, a zoomable timeline with a lane per rank, the six questions of the rank the verdict is about, the
+        advice and the what-if."""
         from . import html
 
         d = d or self.to_dict()

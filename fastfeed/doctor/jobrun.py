@@ -46,6 +46,9 @@ def run_rank(env: dict, target: str, argv: list[str], module: bool, steps: int,
     record = RankRecord(rank=rank, timeline=report.timeline, host=jobstore.host(), local_rank=env["local_rank"],
                         cuda=jobstore.cuda_used(), error=None if error is None else repr(error))  # fmt: skip
     if error is not None:
+        # The traceback (file and line) goes to this rank's stderr, which the launcher passes through: the
+        # launcher's own failure block, printed once it has ended the job, comes after it.
+        script.show_traceback(error, f"rank {rank}: the script")
         # The other ranks may be waiting for this one inside a collective, and only its exit lets the launcher end
         # the job: waiting here for rank 0's verdict would hang it.
         raise RankFailed(f"rank {rank}: the script ended with {error!r}; the launcher ends the job") from error

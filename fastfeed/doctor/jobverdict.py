@@ -69,12 +69,13 @@ class JobVerdict:
     advice: list[dict] = field(default_factory=list)
     step_s: float = 0.0  # the job's seconds per step once its workers started (``RankSplit.step_per_batch``, mean)
     collectives_s: float = 0.0  # per step, the sync even the slowest rank has: the collectives' own time
+    about: int = 0  # the rank the verdict and advice are about: the slowest (a straggler, when there are any)
 
     def as_dict(self) -> dict:
         return {"verdict": {"bottleneck": self.bottleneck, "cause": self.cause, "severity": self.severity,
                             "line": self.line},
                 "stragglers": self.stragglers, "lost": self.lost, "step_s": self.step_s,
-                "collectives_s": self.collectives_s, "advice": self.advice}  # fmt: skip
+                "collectives_s": self.collectives_s, "about": self.about, "advice": self.advice}  # fmt: skip
 
 
 def _mean(values) -> float:
@@ -129,7 +130,7 @@ def judge(records: list[RankRecord]) -> JobVerdict:
         line = (f"verdict: compute-bound job, not input-bound: input {shares['input']:.0%}, sync {shares['sync']:.0%}"
                 f" of the loop; no straggler")
     job = JobVerdict(bottleneck=bottleneck, cause=cause, severity=severity, line=line, stragglers=stragglers,
-                     lost=lost, ranks=views, step_s=step, collectives_s=collectives)  # fmt: skip
+                     lost=lost, ranks=views, step_s=step, collectives_s=collectives, about=slowest.rank)  # fmt: skip
     job.advice = advise(job, slowest, own)
     return job
 
@@ -140,7 +141,7 @@ def advise(job: JobVerdict, slowest: RankView, own: dict[int, float]) -> list[di
     if job.bottleneck == "sync":
         return [{"change": "fewer or smaller all-reduces: accumulate gradients over several batches (DDP's no_sync()),"
                            " a larger batch per rank, or bf16 gradients (DDP's bf16_compress_hook)",
-                 "setting": None, "rank": None, "predicted_samples_per_s": None, "predicted_gain": None,
+                 "setting": None, "rank": None, "predicted_samples_per_s": None, "predicted_gain": None, "needs": None,
                  "why": f"the collectives take {job.collectives_s * 1e3:.1f} ms of every "
                         f"{job.step_s * 1e3:.1f} ms step on every rank, with input and compute fast"}]  # fmt: skip
     if job.bottleneck != "input":

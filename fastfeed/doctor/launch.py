@@ -167,7 +167,7 @@ def examine_job(nproc: int, nnodes: int, node_rank: int, endpoint: str | None, t
     closing = decision.get("closing")
     if not whatifs or closing is None:
         if report is not None and whatifs:
-            report.whatif.setdefault("skipped", {})["closing"] = "no setting to change"
+            report.whatif.setdefault("skipped", {})["closing"] = whatif.no_closing(report.job.advice)
         return report
     say(f"what-if: the job again with {closing['change']} on every rank (closing the loop)")
     overrides = json.dumps(closing["setting"])

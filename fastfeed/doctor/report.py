@@ -16,7 +16,9 @@ JSON schema (``report.json``, ``"schema": "fastfeed.doctor/1"``), top-level keys
   time vs utilisation, synthetic input, host stalls, uneven storage, distributed sync, work per step), as numbers.
 - ``periodic``: stalls every ``period`` batches (``bursts``: a multiple of num_workers), or null.
 - ``dips``: GPU-utilisation dips and how many the input stalls explain, or null without a GPU.
-- ``advice``: ``{change, setting, why, predicted_samples_per_s, predicted_gain}``, best first.
+- ``advice``: ``{change, setting, why, predicted_samples_per_s, predicted_gain, needs}``, what runs on this machine
+  first; ``needs`` is null, or what the advice needs beyond it (Ray actors with no cluster reachable from here:
+  what to start), and such advice is never the closing run's.
 - ``whatif``: ``compute_ceiling``, ``input_ceiling``, ``input_ceiling_fastfeed``, ``closing``: each
   ``{samples_per_s, batches_per_s, batches, seconds, ...}`` or absent when not run; ``closing`` also has the
   setting, the predicted and the measured samples/s, and ``gain``: the measured rate over the recorded one, both
@@ -135,7 +137,7 @@ class Report:
         for a in d["advice"]:
             gain = "" if a["predicted_gain"] is None else \
                 f" -> predicted {a['predicted_samples_per_s']:.1f} samples/s ({a['predicted_gain']:.2f}x)"
-            lines.append(f"  - {a['change']}{gain}: {a['why']}")
+            lines.append(f"  - {a['change']}{gain}: {a['why']}{needs(a)}")
         if d["whatif"]:
             lines.append("what-if runs (samples/s):")
             lines.append(f"  {'measured run':34}{s['samples_per_s']:>10.1f}")
@@ -206,6 +208,11 @@ def write_page(path, page: str) -> Path:
     path = Path(path)
     write_atomic(path, page, mode=0o644)
     return path
+
+
+def needs(a: dict) -> str:
+    """An advice's tail for what it needs beyond this machine (``needs``): what to start first; empty otherwise."""
+    return f". Not measured here: it needs {a['needs']}" if a.get("needs") else ""
 
 
 def _pct(x) -> str:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import statistics
+import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
@@ -25,6 +27,9 @@ BLOCKED = 0.5  # workers using under half the CPU time they are busy for are wai
 IOWAIT, PSI_IO, READ_MS = 0.10, 0.10, 20.0
 GPU_BUSY = 0.6
 MAIN_BUSY = 0.7
+# What to start for advice that needs Ray actors on other machines, when no cluster is reachable from here.
+START_RAY = ("`ray start --head` on one CPU node and `ray start --address=<head>:6379` on each other, then set "
+             "RAY_ADDRESS=<head>:6379 here (or start the head on this machine) and run again")
 
 
 @dataclass
@@ -214,10 +219,11 @@ def advise(ev: Evidence, bottleneck: str, cause: str | None, whatif: dict, per: 
     ceiling, _ = _ceiling(ev, whatif)
     bs = ev.batch_size
 
-    def item(change, setting, why, predicted):
+    def item(change, setting, why, predicted, needs=None):
         advice.append({"change": change, "setting": setting, "why": why,
                        "predicted_samples_per_s": None if predicted is None else predicted * bs,
-                       "predicted_gain": None if predicted is None else predicted / now})  # fmt: skip
+                       "predicted_gain": None if predicted is None else predicted / now,
+                       "needs": needs})  # fmt: skip
 
     nw = loader.num_workers
 
@@ -278,6 +284,9 @@ def advise(ev: Evidence, bottleneck: str, cause: str | None, whatif: dict, per: 
     if bottleneck == "input" and cause == "numa":
         item("numa='auto' (fastfeed places workers and memory on the GPU's node)", None,
              "workers or their memory are on another NUMA node than the GPU", None)
+    # What this machine can do comes first, and the closing run measures the first of it with a setting; advice
+    # that needs another machine (Ray actors with no cluster reachable) follows, in its own order (stable sort).
+    advice.sort(key=lambda a: a["needs"] is not None)
     return advice
 
 
@@ -286,12 +295,28 @@ def ray_installed() -> bool:
     return importlib.util.find_spec("ray") is not None
 
 
+def ray_cluster_reachable() -> bool:
+    """Whether ``worker_type="ray"`` would find a cluster from here: this process connected already (the script's
+    own ``ray.init``), ``RAY_ADDRESS`` set, or a Ray head (``ray start --head``) running on this machine. Never
+    imports Ray nor connects: that takes seconds, and a cluster that does not answer fails the closing run in one
+    line anyway."""
+    ray = sys.modules.get("ray")
+    if ray is not None and getattr(ray, "is_initialized", lambda: False)():
+        return True
+    if os.environ.get("RAY_ADDRESS"):
+        return True
+    from ..info import _gcs_running
+
+    return _gcs_running()
+
+
 def _remote_workers(loader, t: float | None, ceiling: float) -> tuple | None:
     """For input/cpu: the workers the step rate calls for, the local ones kept and the shortfall as Ray actors.
 
-    Returns ``item``'s arguments (change, setting, why, predicted batches/s), or None when the workers the step
-    needs are there already (or nothing says how many it needs). Advised whether or not a cluster is connected
-    now; without Ray installed the setting is left out (the closing run could not apply it) and the why says so.
+    Returns ``item``'s arguments (change, setting, why, predicted batches/s, needs), or None when the workers the
+    step needs are there already (or nothing says how many it needs). Advised whether or not a cluster is
+    reachable now: without one, ``needs`` says what to start (the advice then ranks after what runs here, and no
+    closing run tries it); without Ray installed the setting is left out too, and the why says so.
     """
     if loader.kind == "dali" or not t or not math.isfinite(ceiling):
         return None
@@ -313,10 +338,15 @@ def _remote_workers(loader, t: float | None, ceiling: float) -> tuple | None:
     if loader.kind == "torch":
         why += " (fastfeed's DataLoader takes this setting)"
         setting["fastfeed"] = True
+    needs = None
     if not ray_installed():
         why += "; Ray workers need pip install 'fastfeed[ray]' and a Ray cluster (ray start --head)"
         setting = None
-    return change, setting, why, predicted
+        needs = f"pip install 'fastfeed[ray]' and a Ray cluster on the CPU nodes ({START_RAY})"
+    elif not ray_cluster_reachable():
+        # The setting stays (it is what to apply once the cluster runs), but no run here can measure it.
+        needs = f"a Ray cluster, and none is reachable from here: {START_RAY}"
+    return change, setting, why, predicted, needs
 
 
 def _line(bottleneck: str, cause: str | None, severity: str, ev: Evidence) -> str:

@@ -36,7 +36,7 @@ def _outcome(report, watch, error) -> tuple[dict | None, str | None]:
     watch.hooks.release()
     rate = _rate(report.timeline)
     if rate is None:
-        return None, f"the run yielded no batches ({'it ended' if error is None else repr(error)})"
+        return None, f"the run yielded no batches ({'it ended' if error is None else script.brief(error)})"
     return rate, None
 
 
@@ -48,6 +48,22 @@ def gains(now: dict, then: dict) -> dict:
     overall = now["samples_per_s"] / then["samples_per_s"] if then["samples_per_s"] else None
     warm, warm_then = now.get("warm_batches_per_s"), then.get("warm_batches_per_s")
     return {"gain": warm / warm_then if warm and warm_then else overall, "gain_with_startup": overall}
+
+
+def closing_choice(advice: list[dict]) -> dict | None:
+    """The advice the closing run measures: the first with a setting that can run on this machine (``needs``
+    unset: advice that needs another machine, such as Ray actors with no cluster reachable, is not tried)."""
+    return next((a for a in advice if a["setting"] and not a.get("needs")), None)
+
+
+def no_closing(advice: list[dict]) -> str:
+    """Why there is no closing run, in one line: no setting to change, or only ones that need another machine."""
+    elsewhere = [a for a in advice if a.get("needs")]
+    if not elsewhere:
+        return "no setting to change"
+    a = elsewhere[0]
+    gain = "" if a["predicted_gain"] is None else f", predicted {a['predicted_gain']:.2f}x"
+    return f"{a['change']} needs {a['needs']}{gain}; nothing else to measure here"
 
 
 def compute_ceiling(target: str, argv: list[str], module: bool, steps: int) -> tuple[dict | None, str | None]:
