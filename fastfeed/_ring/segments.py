@@ -93,7 +93,8 @@ def sweep(prefix: str, keep: frozenset | set = frozenset()) -> int:
     return count
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (another user's counts as alive: not ours to judge)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -120,7 +121,7 @@ def reclaim(directory: str | None = None) -> list[str]:
         return removed
     for base in entries:
         match = _OURS.fullmatch(base)
-        if match is None or match.group(2) != _PIDNS or _alive(int(match.group(1))):
+        if match is None or match.group(2) != _PIDNS or alive(int(match.group(1))):
             continue
         try:
             if os.lstat(os.path.join(directory, base)).st_uid != os.geteuid():

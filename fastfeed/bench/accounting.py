@@ -16,6 +16,8 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 
+from .._ring.segments import alive
+
 MB = 1e6
 
 
@@ -59,19 +61,9 @@ def shm_left(before: set[str]) -> list[str]:
 
     def strangers(name: str) -> bool:
         pid = shm_owner(name)
-        return pid is not None and pid not in ours and _alive(pid)
+        return pid is not None and pid not in ours and alive(pid)
 
     return sorted(n for n in new if not strangers(n))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process: alive, and not ours
-    return True
 
 
 def _pss_anon_shmem_mb(pids: Sequence[int]) -> tuple[float, float]:
