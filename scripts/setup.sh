@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv (once) and installs torch 2.13 (the CPU wheel on this machine's disk),
-# the test tools, Pillow (for benchmarks/jpeg.py), the [plot], [nvml], [remote] and [dali] extras (the doctor's PNG,
+# the test tools (pytest, with pytest-xdist to spread the suite over processes), Pillow (for benchmarks/jpeg.py),
+# the [plot], [nvml], [remote] and [dali] extras (the doctor's PNG,
 # its no-driver path, remote reads over HTTP and S3 and DALI's CPU pipelines are tested), Hugging Face Accelerate and
 # torchdata (fastfeed through Accelerate.prepare is tested against them), Lightning (checkpoint/resume through
 # Trainer.fit is tested),
@@ -13,9 +14,9 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-if ! .venv/bin/python -c "import torch, numpy, pytest, pytest_timeout, hypothesis, pybind11, PIL, tqdm, matplotlib, pynvml, fsspec, aiohttp, nvidia.dali, accelerate, torchdata, webdataset, moto.server, s3fs, ray, psutil, lightning, sphinx, myst_parser, furo" 2>/dev/null; then
+if ! .venv/bin/python -c "import torch, numpy, pytest, pytest_timeout, xdist, hypothesis, pybind11, PIL, tqdm, matplotlib, pynvml, fsspec, aiohttp, nvidia.dali, accelerate, torchdata, webdataset, moto.server, s3fs, ray, psutil, lightning, sphinx, myst_parser, furo" 2>/dev/null; then
   .venv/bin/pip install -q --disable-pip-version-check \
-    "torch==2.13.0" numpy pytest pytest-timeout hypothesis pillow tqdm matplotlib nvidia-ml-py fsspec aiohttp nvidia-dali-cuda120 accelerate torchdata webdataset "moto[server]" s3fs ray psutil lightning "pybind11>=2.12" "setuptools>=64" wheel -r docs/requirements.txt
+    "torch==2.13.0" numpy pytest pytest-timeout pytest-xdist hypothesis pillow tqdm matplotlib nvidia-ml-py fsspec aiohttp nvidia-dali-cuda120 accelerate torchdata webdataset "moto[server]" s3fs ray psutil lightning "pybind11>=2.12" "setuptools>=64" wheel -r docs/requirements.txt
 fi
 # Headless Chromium renders the doctor's HTML report in the tests; where it cannot be installed they skip, saying so.
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

@@ -94,7 +94,7 @@ def segment_pid(name):
     return None
 
 
-def _is_ours(name):
+def is_ours(name):
     # Other people's test runs share /dev/shm: count a segment as ours if this process
     # or one of its descendants made it, or if its maker is dead (a worker of ours that
     # already exited); a live unrelated process's segment is not our leak.
@@ -131,7 +131,7 @@ def leaks(before, sockets=True):
         more = f", and {len(new) - MAX_LISTED} more" if len(new) > MAX_LISTED else ""
         found.append(f"{len(now.fds) - len(before.fds)} file descriptor(s); new or changed: {shown}{more}")
     for name in sorted(now.segments - before.segments):
-        if _is_ours(name):
+        if is_ours(name):
             found.append(f"shared-memory segment {SHM_DIR}/{name}")
     return found
 

@@ -31,7 +31,7 @@ LEAK_GRACE_S = 5.0
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: takes minutes; deselect with -m 'not slow'")
+    config.addinivalue_line("markers", "slow: in a module the quick tier leaves out (SLOW_MODULES); -m 'not slow'")
     config.addinivalue_line("markers", "fastfeed_only: checks a fastfeed extension torch lacks")
     config.addinivalue_line("markers", "hang_limit(seconds): fail the test if it runs longer")
     config.addinivalue_line("markers", "ray_sockets: Ray's own connections may stay open past the test")
@@ -41,7 +41,25 @@ def pytest_report_header(config):
     return f"DataLoader under test: {_candidate.NAME}"
 
 
+# The quick tier (`bash scripts/test.sh --quick`, which is -m "not slow") leaves these modules out: each spends most
+# of its time starting things (torchrun jobs, Ray clusters, spawned workers, benchmark and doctor runs, Sphinx,
+# Chromium), about four fifths of the full suite's time. The full suite, the README's command and CI, runs them.
+SLOW_MODULES = frozenset({
+    "test_accelerate", "test_base_install", "test_bench_cli", "test_bench_ray", "test_benchmarks", "test_dali",
+    "test_dcp", "test_docs", "test_doctor", "test_doctor_html", "test_doctor_job", "test_doctor_launch",
+    "test_doctor_ray_cluster", "test_faults", "test_gpu_check", "test_no_targets", "test_parity", "test_pinning",
+    "test_ray", "test_ray_pool_gaps", "test_resume_cases", "test_resume_out_of_order", "test_run",
+    "test_sanitizers", "test_shards", "test_shards_order", "test_torchdata_states", "test_tune", "test_tune_ranks",
+})  # fmt: skip
+
+
 def pytest_collection_modifyitems(config, items):
+    missing = sorted(m for m in SLOW_MODULES if not os.path.exists(os.path.join(TESTS_DIR, m + ".py")))
+    if missing:  # a renamed module would otherwise join the quick tier unnoticed
+        raise pytest.UsageError(f"tests/conftest.py SLOW_MODULES names no such test module: {', '.join(missing)}")
+    for item in items:
+        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
     if not _candidate.AGAINST_TORCH:
         return
     skip = pytest.mark.skip(reason="fastfeed extension; FASTFEED_TEST_AGAINST_TORCH is set")
@@ -108,8 +126,11 @@ def no_leaks(request):
 
 # The backstop's stack dump, in a file: while a test runs, pytest has its stderr captured, and a process that
 # faulthandler ends takes the captured text with it. scripts/test.sh prints the file when the run fails.
-HANG_DUMP = os.environ.get("FASTFEED_HANG_DUMP") or os.path.join(os.path.dirname(os.path.dirname(__file__)),
-                                                                  ".pytest-hang.txt")  # fmt: skip
+# Under pytest-xdist each worker process keeps its own file (.pytest-hang-gw0.txt ...): one shared file would be
+# truncated by one worker's next test while another's stacks are being written.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+HANG_DUMP = os.environ.get("FASTFEED_HANG_DUMP") or os.path.join(
+    os.path.dirname(os.path.dirname(__file__)), f".pytest-hang-{_WORKER}.txt" if _WORKER else ".pytest-hang.txt")
 _hang_file = open(HANG_DUMP, "w")  # noqa: SIM115 - open for the whole session: faulthandler writes to its fd
 
 

@@ -34,6 +34,17 @@ def test_sampler_is_consumed_when_torch_consumes_it():
     assert _run_keeping_batches(DataLoader) == _run_keeping_batches(tud.DataLoader)
 
 
+@pytest.fixture
+def slots_freed_in_time(monkeypatch):
+    """Workers wait as long as it takes for the slot the loop is about to free (forked workers inherit this), so
+    that a loaded machine, which can hold the loop off the CPU past control.WAIT_S, cannot grow the ring: the
+    slot-count tests below then count what the loop holds, not the scheduler's delays."""
+    from fastfeed._ring import control
+
+    monkeypatch.setattr(control, "WAIT_S", 30.0)
+
+
+@pytest.mark.usefixtures("slots_freed_in_time")
 @pytest.mark.parametrize("num_workers,prefetch_factor", [(1, 1), (2, 2), (2, 3)])
 def test_a_training_loop_uses_the_window_plus_two_slots_and_never_warns(num_workers, prefetch_factor):
     """A loop that holds only its current batch needs at most num_workers*prefetch_factor+2 slots (torch holds as many batches), silently."""
@@ -48,6 +59,7 @@ def test_a_training_loop_uses_the_window_plus_two_slots_and_never_warns(num_work
     gc.collect()
 
 
+@pytest.mark.usefixtures("slots_freed_in_time")
 def test_a_consumer_that_drops_each_batch_uses_at_most_the_window_plus_one():
     """Dropping each batch before asking for the next keeps the ring within num_workers*prefetch_factor+1 slots."""
     it = iter(DataLoader(ds.PlainDataset(40), batch_size=2, num_workers=2, prefetch_factor=2))
@@ -69,6 +81,7 @@ def test_slow_workers_hold_one_slot_each_not_their_whole_window():
     gc.collect()
 
 
+@pytest.mark.usefixtures("slots_freed_in_time")
 def test_the_next_epoch_writes_into_the_same_slots():
     """Without persistent workers, epoch 2's new workers reuse the ring epoch 1 made: no new segment."""
     loader = DataLoader(ds.PlainDataset(24), batch_size=2, num_workers=2)

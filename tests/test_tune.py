@@ -119,7 +119,9 @@ def test_search_skips_what_does_not_fit_and_says_why():
 
 def test_tune_chooses_workers_for_a_latency_bound_dataset_and_saves_a_config(tmp_path):
     """A latency-bound dataset gets workers; the saved config builds a loader; the table lists every trial."""
-    ds = Busy(sleep_s=0.001)
+    # 3 ms of sleep per sample: a batch waits 24 ms and needs almost no CPU, so workers win by about their count
+    # however busy the cores are (at 1 ms, a loaded machine's wake-up delays made nw=0 measure as fast).
+    ds = Busy(sleep_s=0.003)
     result = fastfeed.tune(ds, batch_size=8, budget_s=60, max_workers=2)
     assert result.converged and result.input_bound and result.num_workers >= 1
     assert result.throughput > 0 and result.samples_per_s == pytest.approx(result.throughput * 8)

@@ -38,8 +38,11 @@ ENTRY_BYTES = 32
 SIZE = TABLE + MAX_SLOTS * ENTRY_BYTES
 # A loop frees its previous batch just after it gets the next one, microseconds after the
 # worker may have been sent a new task: waiting this long for that slot, rather than making
-# one more, keeps the ring at the batches torch holds.
-WAIT_S = 0.002
+# one more, keeps the ring at the batches torch holds. On a busy machine the loop can be off
+# the CPU for tens of milliseconds (at 2 ms, two busy processes on two cores grew the ring and
+# raised the "batches kept" warning). The wait is paid once per slot the ring grows by, and a
+# worker with no slot has nothing else to do.
+WAIT_S = 0.05
 
 
 class Claimed(NamedTuple):
