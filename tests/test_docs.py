@@ -16,15 +16,15 @@ import io
 import json
 import os
 import re
-import shlex
-import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from _chromium import needs_chromium
+from _chromium import run as _chromium_run
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
@@ -180,8 +180,6 @@ def test_the_build_names_the_command_to_run_when_fastfeed_cannot_be_imported(tmp
 
 # -- the site in a browser ---------------------------------------------------------------------------------------
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no headless browser: chromium is not on PATH")
 WIDTH = 1280  # a laptop's window
 
 # Loads each page in a 1280-px-wide frame and writes, on <html data-result>, what each page's code blocks do: a
@@ -206,50 +204,8 @@ pages.forEach(function (name) {
 
 
 def _chromium(url: str, profile: Path, *args: str) -> str:
-    """Headless Chromium on ``url`` with ``args``; its stdout. It runs in a session of its own, killed whole on a
-    timeout, and no process of it outlives the call."""
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",
-           "--disable-background-networking", "--disable-sync", f"--user-data-dir={profile}", *args, url]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                            start_new_session=True)  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"chromium did not finish with {url} in 90 s")
-    finally:
-        _end_session(proc.pid)
-    assert proc.returncode == 0, err.decode(errors="replace")[-3000:]
-    return out.decode(errors="replace")
-
-
-def _end_session(sid: int) -> None:
-    """The browser's helpers exit shortly after it; kill any still there after 10 s, and check none is left."""
-    def alive():
-        found = []
-        for name in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                text = Path(f"/proc/{name}/stat").read_text()
-            except OSError:
-                continue
-            fields = text[text.rindex(")") + 2:].split()
-            if fields[0] not in ("Z", "X") and int(fields[3]) == sid:
-                found.append(int(name))
-        return found
-
-    deadline = time.monotonic() + 10
-    while alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    for pid in alive():
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + 5
-    while alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not alive(), "chromium left processes behind"
+    """Headless Chromium on ``url`` with ``args``; its stdout (no process of it outlives the call)."""
+    return _chromium_run(url, profile, *args)[0]
 
 
 @needs_chromium

@@ -12,10 +12,7 @@ from __future__ import annotations
 import html
 import io
 import json
-import os
 import re
-import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -30,6 +27,8 @@ from fastfeed.doctor.jobreport import JobReport
 from fastfeed.doctor.ranks import RankRecord
 from fastfeed.doctor.report import Report
 
+import _chromium as chromium
+from _chromium import needs_chromium
 from _timelines import make
 
 pytestmark = pytest.mark.fastfeed_only
@@ -260,75 +259,14 @@ def test_the_cli_writes_report_html_in_the_current_directory_without_out(tmp_pat
 
 # -- in a real browser ---------------------------------------------------------------------------------------------
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no headless browser: chromium is not on PATH")
-BROWSER_TIMEOUT_S = 90
-
-
-def _session(sid: int) -> list[int]:
-    """Live processes of session ``sid`` (the browser and every process it started)."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                text = f.read()
-        except OSError:
-            continue
-        fields = text[text.rindex(")") + 2:].split()
-        if fields[0] not in ("Z", "X") and int(fields[3]) == sid:
-            found.append(int(name))
-    return found
-
-
-def _end_session(sid: int, grace_s: float = 10.0) -> None:
-    """Wait for the browser's helper processes to exit after it (some take a moment), kill those still there after
-    ``grace_s``, and make sure none is left."""
-    deadline = time.monotonic() + grace_s
-    while _session(sid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    for pid in _session(sid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + 5.0
-    while _session(sid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _session(sid), f"chromium left processes behind: {[_cmdline(p) for p in _session(sid)]}"
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
-    except OSError:
-        return f"{pid} (gone)"
-
-
 def render(path, tmp_path, height: int = 2000) -> tuple[str, str, bytes]:
     """The page at ``path`` in headless Chromium: its DOM once loaded and its script run, the browser's log, and a
     1280-wide screenshot. The browser runs in a session of its own, killed whole on a timeout; no process of it may
     outlive the call."""
     shot = tmp_path / "screenshot.png"
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",
-           "--disable-background-networking", "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}",
-           "--enable-logging=stderr", "--v=0", f"--window-size=1280,{height}", "--dump-dom", f"--screenshot={shot}",
-           path.resolve().as_uri()]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                            start_new_session=True)  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=BROWSER_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"chromium did not finish rendering {path} in {BROWSER_TIMEOUT_S} s")
-    finally:
-        _end_session(proc.pid)
-    log = err.decode(errors="replace")
-    assert proc.returncode == 0, log[-3000:]
-    return out.decode(errors="replace"), log, shot.read_bytes() if shot.exists() else b""
+    dom, log = chromium.run(path.resolve().as_uri(), tmp_path / "profile", "--enable-logging=stderr", "--v=0",
+                            f"--window-size=1280,{height}", "--dump-dom", f"--screenshot={shot}")  # fmt: skip
+    return dom, log, shot.read_bytes() if shot.exists() else b""
 
 
 def assert_rendered(dom: str, log: str, png: bytes, verdict: str, lanes: list[str]) -> None:
