@@ -5,6 +5,7 @@ from torch.utils.data import get_worker_info
 from . import doctor, io, transforms
 from ._ring.ring import RingGrowthWarning
 from .loader import DataLoader
+from .sharing import share
 from ._version import __version__
 from .stateful import StatefulDataLoader
 from .stats import Stats
@@ -18,5 +19,5 @@ del offline
 
 __all__ = [
     "DataLoader", "RingGrowthWarning", "StatefulDataLoader", "Stats", "TuneResult", "__version__", "doctor",
-    "get_worker_info", "io", "load_config", "transforms", "tune",
+    "get_worker_info", "io", "load_config", "share", "transforms", "tune",
 ]  # fmt: skip

@@ -106,6 +106,7 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
         self._resume = resume
         self._indices = indices
         self._finished = False
+        self._task_info = {}  # each _reset makes its own; a first one that fails may not get that far
         if resume:
             base_seed = resume["base_seed"]
         keep = _state.sampler_rngs(self._generator) if base_seed is not None else None
@@ -167,12 +168,11 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
             preload()
             parent = os.getpid()
             try:
-                # Worker 0 gets its first tasks while the others are forked. Built here, not in a helper: torch's
-                # pickle warning names this frame's caller (Pool's stacklevel counts the frames).
+                # Built here, not in a helper: torch's pickle warning names this frame's caller (Pool's stacklevel
+                # counts the frames).
                 self._pool = Pool(
                     context, self._num_workers, worker_main,
                     lambda wid: (wid, spec, parent, self._worker_resume(wid)), dump_s,
-                    first_started=lambda pool: self._start_epoch(loader, pool),
                 )  # fmt: skip
             except BaseException:
                 self._ring.in_use = False  # the workers that started are stopped: none writes into it
@@ -192,8 +192,14 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
                 actors = getattr(self._pool, "remote", self._pool)
                 self._stats.paths.update(actors.paths)
                 actors.paths = self._stats.paths
-        if self._threads or remote:
-            self._start_epoch(loader, self._pool)
+        # Only once every worker is forked, as torch: the epoch's first draw builds the sampler's whole order
+        # (RandomSampler: len(dataset) Python ints), and a worker forked after it would keep a private copy of
+        # every page of it, page by page as this process hands the indices out and writes their reference counts.
+        try:
+            self._reset(loader, first_iter=True)
+        except BaseException:
+            self._shutdown_workers()  # none is left running for an iterator its caller never gets
+            raise
 
     def _ray_pool(self, loader, spec, context, local: int, remote: int, dump_s: float):
         """Ray actors for workers ``local ..``, and worker processes for the first ``local`` (the mixed form)."""
@@ -238,11 +244,6 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
                 "had iterated in that actor since the first epoch of persistent workers, and a new actor gets the "
                 "dataset as first shipped; give the dataset state_dict()/load_state_dict(), or use "
                 "persistent_workers=False (each epoch ships the dataset anew)")
-
-    def _start_epoch(self, loader, pool) -> None:
-        """Send the first tasks (``pool`` may still be starting its other workers)."""
-        self._pool = pool
-        self._reset(loader, first_iter=True)
 
     def _pin_slots(self, wanted: bool, device: int) -> bool:
         """Whether to register the ring with CUDA, under ``device`` (else pin_memory copies, as torch does)."""
@@ -332,8 +333,13 @@ class RingDataLoaderIter(_BaseDataLoaderIter):
             self._sampler_iter = _state.Drawn(sampler_iter, frontier, ahead, self._sampler_log.drew)
             self._sampler_log.start(resume["sampler_state"], frontier)
         else:
-            _state.restore_sampler_rngs(self._sampler_rng, self._generator)  # the same order, of which the seen
-            self._sampler_iter.replay(frontier, asked, drop=ahead)  # batches are skipped
+            # The same order, of which the batches seen are skipped. No sampler RNGs: the state was saved before
+            # the sampler's first ask (a single process's, just after iter()), which draws from the RNGs as loaded.
+            if self._sampler_rng is None:
+                self._sampler_rng = keep
+            _state.restore_sampler_rngs(self._sampler_rng, self._generator)
+            self._sampler_iter.replay(frontier, asked, drop=ahead,
+                                      constant=self._dataset_kind == _DatasetKind.Iterable)  # fmt: skip
             if self._sampler_log is not None:  # (a state of version 1: the sampler's own state was not saved)
                 self._sampler_log.start(None, frontier)
         self._due = resume.get("due")

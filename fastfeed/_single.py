@@ -82,10 +82,11 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             self._sampler_iter = _state.Drawn(self._sampler_iter, on_draw=on_draw)
             if self._sampler_rng is not None:
                 _state.restore_sampler_rngs(self._sampler_rng, self._generator)
-                replay = self._dataset_kind == _DatasetKind.Iterable and not self._stateful
+                iterable = self._dataset_kind == _DatasetKind.Iterable
+                replay = iterable and not self._stateful
                 # A plain iterable can only be moved forward by reading it; the asks made ahead are made again.
                 self._sampler_iter.replay(frontier, asked, self._dataset_fetcher.fetch if replay else None,
-                                          ahead_set)  # fmt: skip
+                                          ahead_set, constant=iterable)  # fmt: skip
             if self._sampler_log is not None:
                 self._sampler_log.start(None, frontier)
         self._frontier0, self._ahead0, self._yielded0 = frontier, ahead_set, yielded

@@ -20,6 +20,9 @@ import warnings
 
 import torch
 
+from . import _state_check
+
+
 def is_stateful(obj) -> bool:
     """An object that saves and restores its own position (``state_dict()``/``load_state_dict()``), as torchdata's
     ``Stateful`` protocol has it."""
@@ -157,20 +160,40 @@ class Drawn:
             self.on_draw(self.asked)
         return number, index
 
-    def replay(self, skip: int, asked: int, fetch=None, drop=()) -> None:
+    def replay(self, skip: int, asked: int, fetch=None, drop=(), constant: bool = False) -> None:
         """Ask again up to number ``asked``: those numbered below ``skip`` are dropped (``fetch(index)`` each), and
         so are those in ``drop`` (batches delivered out of order); the rest are kept for the tasks they were
-        taken for."""
+        taken for.
+
+        ``constant``: the source gives the same index at every ask and never ends (an IterableDataset's sampler,
+        torch's ``_InfiniteConstantSampler``): asks dropped unfetched are counted, not made, so that no count in
+        a state costs time. A source (or ``fetch``) that ends before ``skip`` asks means the state says more
+        batches were received than the epoch has: a ValueError naming ``state['yielded']``."""
+        if constant and fetch is None and self.asked < skip:
+            self.asked = skip
         while self.asked < max(skip, asked):
             try:
                 number, index = self._ask()
             except StopIteration:
+                if self.asked - 1 < skip:
+                    _past_the_end(skip, self.asked - 1, "its sampler")
                 break
             if number < skip:
                 if fetch is not None:
-                    fetch(index)
+                    try:
+                        fetch(index)
+                    except StopIteration:
+                        _past_the_end(skip, number, "its dataset")
             elif number not in drop:
                 self.kept.append((number, index))
+
+
+def _past_the_end(skip: int, ended_at: int, what: str):
+    raise ValueError(
+        f"DataLoader: the state loaded says {skip} batches of this epoch were received before those it lists "
+        f"(state['yielded'] less state['received_ahead']), and this epoch ends after {ended_at} ({what} ended): the "
+        "state is damaged, or was saved with another dataset or sampler"
+    )
 
 
 def advance(frontier: int, ahead, delivered: int) -> tuple[int, frozenset]:
@@ -473,11 +496,10 @@ def own_of(state: dict, global_position: bool, sampler_position) -> dict:
     state of its own), which a rank may take from another rank's state of a job of the same size: Lightning saves
     rank 0's loader state only, and every rank loads it.
     """
-    if not isinstance(state, dict) or "ranks" not in state:
+    if not isinstance(state, dict) or ("ranks" not in state and "world_size" not in state):
         return state
+    _state_check.check_job(state, "DataLoader.load_state_dict")
     ranks = state["ranks"]
-    if not isinstance(ranks, dict) or not ranks:
-        raise ValueError(f"DataLoader.load_state_dict(): this state's 'ranks' holds no rank's state ({ranks!r})")
     job = _job()
     rank, world = job if job is not None else (0, 1)
     saved_world = state.get("world_size")
@@ -494,7 +516,8 @@ def own_of(state: dict, global_position: bool, sampler_position) -> dict:
             f"same batch, with rank {first}'s random streams", stacklevel=3)  # fmt: skip
         return ranks[first]
     raise ValueError(
-        f"DataLoader.load_state_dict(): this state was saved by a job of {saved_world} ranks and holds the states "
+        f"DataLoader.load_state_dict(): this state was saved by a job of {saved_world} ranks (state['world_size']) "
+        f"and holds the states "
         f"of ranks {sorted(ranks, key=int)}; this is rank {rank} of {world}. This loader's position is each rank's "
         f"own, for its world size: load each rank's own state in a job of the same size "
         f"(torch.distributed.checkpoint saves every rank's). Only fastfeed.io.Shards continues on another world "

@@ -19,7 +19,7 @@ import torch
 import torch.utils.data
 from torch.utils.data import IterDataPipe, MapDataPipe, _DatasetKind
 
-from . import _from_torchdata, _hooks, _state, affinity, stats, transfer
+from . import _from_torchdata, _hooks, _state, _state_check, affinity, stats, transfer
 from ._dataset_hooks import hooks_of
 from ._iterator import RingDataLoaderIter
 from ._ring.ring import Ring
@@ -27,6 +27,7 @@ from ._single import SingleProcessIter
 from . import _workers
 from ._workers import WORKER_TYPES  # noqa: F401 (its old home; fastfeed.tune chooses among them)
 from .io import gds
+from .sharing import advice as share_advice
 from .io.arrays import ArrayFiles
 from .io import direct
 from .tuning import auto as tuning_auto
@@ -205,6 +206,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         if not self._ff_planned:
             self._ff_planned = True
             self.numa_plan = affinity.plan_for(self.numa, self._cuda_target(), self.num_workers)
+            if self.worker_type != "thread":  # threads share one copy of the dataset: nothing to copy on read
+                # Points at the user's loop: this frame < torch's __iter__ < fastfeed's __iter__ < the loop.
+                share_advice.warn_if_copied(self.dataset, self.num_workers, stacklevel=4)
         return RingDataLoaderIter(self, self._ring_for, resume, self._ff_stage)
 
     def check_worker_number_rationality(self):
@@ -420,23 +424,29 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         Restores the global RNGs (torch, random, numpy) and ``generator`` to what they
         were at ``state_dict()``, so a training loop's own random stream continues too.
         Raises ``ValueError`` where the state cannot continue with this loader's
-        ``num_workers`` (see ``state_dict``).
+        ``num_workers`` (see ``state_dict``), and, naming the field, where it is damaged:
+        truncated, of another version, or holding a value no state holds (a count of
+        -3 or 10**18, a string for an RNG state, ...). The state is checked whole before
+        anything changes, so a refused one leaves the loader and the RNGs as they were.
         """
+        what = "DataLoader.load_state_dict"
         if not isinstance(state_dict, dict):
-            raise TypeError(f"DataLoader.load_state_dict() takes the dict state_dict() returned, got "
-                            f"{type(state_dict).__name__}")  # fmt: skip
+            raise ValueError(f"{what}: the state is a {type(state_dict).__name__}; expected the dict state_dict() "
+                             "returned")  # fmt: skip
         global_position = self._ff_dataset_hooks.position is not None
-        state_dict = _state.own_of(state_dict, global_position, self._sampler_position)
-        if _from_torchdata.is_torchdata_state(state_dict):  # a run switching from torchdata's loader
+        given, state_dict = state_dict, _state.own_of(state_dict, global_position, self._sampler_position)
+        root = "state"  # how messages name it; in a job's state, the rank's state own_of chose
+        if state_dict is not given:
+            root = next(f"state['ranks'][{k!r}]" for k, v in given["ranks"].items() if v is state_dict)
+        translated = _from_torchdata.is_torchdata_state(state_dict)
+        if translated:  # a run switching from torchdata's loader
+            _state_check.check_torchdata(state_dict, what)
             state_dict = _from_torchdata.translate(state_dict, self)
-        if state_dict.get("version") not in STATE_VERSIONS:
-            raise ValueError(f"unknown DataLoader state version {state_dict.get('version')!r}: this fastfeed reads "
-                             f"versions {STATE_VERSIONS} (and torchdata StatefulDataLoader's states)")  # fmt: skip
+        # The whole state is checked before anything is taken from it (nothing here has changed yet): a damaged
+        # or hostile one ends in a ValueError naming its field (see _state_check).
+        _state_check.check_loader_state(state_dict, self, what, STATE_VERSIONS, translated, root)
         state = _state.decode(state_dict)
-        if state.get("shards") is not None:
-            if not global_position:
-                raise ValueError("DataLoader.load_state_dict(): this state holds a fastfeed.io.Shards position and "
-                                 f"this loader's dataset is a {type(self.dataset).__name__}")  # fmt: skip
+        if state.get("shards") is not None:  # (the check made sure the dataset is one that keeps it)
             self.dataset.load_state_dict(state["shards"])  # the dataset checks its order and global batch
         else:
             state = self._fit_workers(state)
@@ -492,8 +502,13 @@ def _split_workers(args: tuple, kwargs: dict, worker_type) -> tuple:
 
 def _holds_dataset_state(state: dict) -> bool:
     """Whether a saved state holds a dataset's (or its iterator's) own state, the main process's or a worker's."""
-    own = [state] + [w["state"] for w in state.get("workers") or () if w is not None]
-    return any(s.get("dataset") is not None or s.get("dataset_iter") is not None for s in own)
+    # Asked of a rank's state before it is checked (which rank's state to load depends on it): parts that are not
+    # what a state holds count as holding none, and the state chosen is checked whole after.
+    workers = state.get("workers")
+    own = [state] + [w.get("state") for w in workers if isinstance(w, dict)] if isinstance(workers, (list, tuple)) \
+        else [state]
+    return any(isinstance(s, dict) and (s.get("dataset") is not None or s.get("dataset_iter") is not None)
+               for s in own)  # fmt: skip
 
 
 def _set_up_dataset(loader, epoch_starts: bool) -> None:

@@ -46,6 +46,6 @@ class StatefulDataLoader(DataLoader):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """As ``DataLoader.load_state_dict``; an empty dict (torchdata's "no state") starts afresh."""
-        if state_dict == {}:
+        if isinstance(state_dict, dict) and not state_dict:  # (not ==: a tensor or array compares elementwise)
             return
         super().load_state_dict(state_dict)

@@ -9,8 +9,13 @@ from fastfeed.io import remote
 
 @pytest.fixture(autouse=True)
 def fast_backoff(monkeypatch):
-    """Retries wait 10 ms, doubling: the policy's shape at a test's pace (forked workers inherit it)."""
+    """The retry policy's shape at a test's pace (forked workers inherit it): retries wait up to 10 ms, doubling;
+    a store that throttles is still asked at 50 requests/s at least (its stores throttle every object's first
+    request, which at the real floor of 0.5/s would make each test take minutes); a request failing for good
+    gives up after 10 s rather than the default two minutes."""
     monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
+    monkeypatch.setattr(remote.StoreRate, "MIN_RATE", 50.0)
+    monkeypatch.setattr(remote, "DEFAULT_RETRY_BUDGET_S", 10.0)
 
 
 @pytest.fixture(scope="module", autouse=True)

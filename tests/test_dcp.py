@@ -174,6 +174,56 @@ def test_a_load_into_a_loader_that_ran_an_epoch_continues_exactly(tmp_path, conf
     assert epoch(used) == ref[1]
 
 
+
+def _dcp_keys(loader) -> dict:
+    """The keys DCP flattens ``{"loader": loader}``'s state into, with their values' types: DCP loads *into* these,
+    so a key a checkpoint has and a fresh loader's state lacks (or the reverse) is lost or fails the load."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict({"loader": loader.state_dict()})
+    return {key: type(value).__name__ for key, value in flat.items()}
+
+
+LEAVES = {"int", "bool", "str", "NoneType", "list", "tuple"}  # values DCP stores whole (a tensor it would shard)
+
+
+@pytest.mark.parametrize("kw", [{}, {"num_workers": 2, "worker_type": "thread"},
+                                {"num_workers": 2, "worker_type": "thread", "in_order": False},
+                                {"generator": "seeded"}], ids=["nw0", "threads", "threads-unordered", "generator"])
+def test_the_state_has_the_same_keys_at_every_point_for_dcp_to_load_into(kw):
+    """A loader's state flattens to the same DCP keys fresh, after iter(), mid-epoch, after a break, between epochs
+    and once loaded; every key of ``_state.KEYS`` is there and each value is one DCP stores whole. Guards against a
+    part of the state present only at some points (the sampler RNGs before the first draw, say), which DCP would
+    fail to load into a fresh loader or silently leave out. In this process: no worker process is started."""
+    from fastfeed import _state
+
+    kw = dict(kw)
+    if kw.pop("generator", None):
+        kw["generator"] = torch.Generator().manual_seed(5)
+    torch.manual_seed(SEED)
+    loader = DataLoader(IndexRand(N), batch_size=BATCH, shuffle=True, **kw)
+    points = {"fresh": _dcp_keys(loader)}
+    it = iter(loader)
+    points["after iter()"] = _dcp_keys(loader)
+    next(it), next(it)
+    points["mid-epoch"] = _dcp_keys(loader)
+    saved = loader.state_dict()
+    del it
+    points["after a break"] = _dcp_keys(loader)
+    for _ in loader:
+        pass
+    points["between epochs"] = _dcp_keys(loader)
+    again = DataLoader(IndexRand(N), batch_size=BATCH, shuffle=True, **kw)
+    again.load_state_dict(json.loads(json.dumps(saved)))
+    points["loaded"] = _dcp_keys(again)
+    keys = set(points["fresh"])
+    assert keys == {f"loader.{k}" for k in _state.KEYS if k not in ("rng", "sampler_rng")} | {
+        "loader.rng.torch", "loader.rng.random", "loader.rng.numpy", "loader.rng.generator",
+        "loader.sampler_rng.torch", "loader.sampler_rng.generator"}  # fmt: skip
+    for name, found in points.items():
+        assert set(found) == keys, name
+        assert set(found.values()) <= LEAVES, (name, found)
+
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_torchdata_stateful_loader_resumes_through_dcp_the_reference(tmp_path, num_workers):

@@ -232,6 +232,35 @@ def test_a_moderate_wait_beside_a_long_compute_leaves_the_job_compute_bound():
     assert (job.bottleneck, job.stragglers, job.advice) == ("compute", [], [])
 
 
+
+def test_ranks_waiting_for_a_straggler_lose_their_sync_less_the_collectives_own_time():
+    """Both ranks spend 10 ms of each step in the all-reduce itself (slept on a CPU backend); rank 1 waits 30 ms per
+    batch, so rank 0 also sleeps 28 ms a step waiting for it. The collectives' time is the least sync per step of
+    any rank (rank 1's 10 ms: it waits for nobody), and what rank 0 loses to the straggler is its sync less that:
+    (sync - 10 ms x batches) / loop = 61%, not its whole 84% sync share. Guards against the collectives taken as
+    the largest rank's sync (``min`` -> ``max``: nothing would be lost) and against the collectives' own time
+    counted as lost."""
+    n = 20
+    zero = _rank(0, [0.002] * n, [0.005 + 0.010 + 0.028] * n, slept=[0.010 + 0.028] * n)
+    one = _rank(1, [0.030] * n, [0.005 + 0.010] * n, slept=[0.010] * n)
+    s0, _ = split([zero, one])
+    job = judge([zero, one])
+    assert job.stragglers == [1] and job.about == 1
+    assert job.collectives_s == pytest.approx(0.010, rel=0.02)
+    assert job.lost == pytest.approx((s0.sync_s - 0.010 * n) / s0.loop_s, rel=1e-6)
+    assert job.lost == pytest.approx(0.61, abs=0.02) and s0.shares()["sync"] > job.lost + 0.2
+    assert "rank 0 loses 61% of its loop waiting for it" in job.line
+
+
+def test_collectives_taking_a_quarter_of_a_long_compute_step_leave_the_job_compute_bound():
+    """Alike ranks that spend 15 ms of a 60 ms step in the collectives: sync is 25% of the loop (at least HIGHLY)
+    but compute is 74%, so the job is compute-bound, as the module says (sync only when it takes more than input
+    and compute). Guards against sync judged by its share alone."""
+    ranks = [_rank(r, [0.001] * 20, [0.060] * 20, slept=[0.015] * 20) for r in range(2)]
+    job = judge(ranks)
+    assert (job.bottleneck, job.stragglers, job.advice) == ("compute", [], [])
+    assert "sync 25% of the loop" in job.line
+
 def test_a_rank_whose_script_raises_ends_the_job_with_its_error_and_leaves_nothing(tmp_path):
     # rank 1 raises at its 5th batch while rank 0 waits for it in the all-reduce: no hang, the error named
     cmd = _doctor("--nproc-per-node", "2", "--steps", "40", "--no-whatif", SCRIPT, "--fail-rank", "1")

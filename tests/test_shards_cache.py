@@ -4,6 +4,8 @@ HTTP file server of fastfeed/bench/http.py with latency and faults, moto's S3 se
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import json
 import math
 import multiprocessing
 import os
@@ -317,6 +319,93 @@ def test_a_download_killed_midway_leaves_nothing_that_is_later_read_as_whole(sha
     assert fresh.stats()["used_bytes"] == item[2]  # the room the dead child reserved came back
 
 
+def _flock_waiters(path: Path) -> int:
+    """Requests blocked now on the flock of ``path``, by any process or thread (Linux's /proc/locks marks a
+    blocked request "->" and names the file as major:minor:inode)."""
+    st = os.stat(path)
+    name = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    return sum(1 for line in Path("/proc/locks").read_text().splitlines()
+               if "->" in line.split() and name in line.split())  # fmt: skip
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/locks"), reason="sees a blocked flock through Linux's /proc/locks")
+def test_an_entry_appears_only_once_its_download_is_counted(shards, caches, tmp_path):
+    """A download ends while another process holds the state lock (reading the stats): its entry must not appear
+    before the download is counted. A loader's worker reads a shard as soon as its entry appears, so an entry
+    placed before its count let the epoch end, and cache_stats() answer, one download short (and for good when
+    the worker that placed it exited first). Here the downloader is held at the lock, where it counts; the entry
+    is looked for then, deterministically, with no race left to chance."""
+    site = shards(n=1)
+    item = site.item(0)
+    cache = caches(tmp_path / "cache", None)
+    cache.stats()  # makes the directory and its state.lock
+    lock_path = cache.directory / "state.lock"
+    real_copy, held = cache._fetcher.copy, []
+
+    def copy_then_take_the_state_lock(url, fd, size, stop=None):
+        got = real_copy(url, fd, size, stop)
+        # An open file description of its own: its flock excludes the downloader as another process's would.
+        lock = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        held.append(lock)
+        return got
+
+    cache._fetcher.copy = copy_then_take_the_state_lock
+    downloader = threading.Thread(target=cache.local, args=item)
+    downloader.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not (held and _flock_waiters(lock_path)):  # the whole, checked download waits to be counted
+            assert time.monotonic() < deadline and downloader.is_alive(), "the download never reached its count"
+            time.sleep(0.01)
+        visible = os.listdir(cache.directory / "entries")
+        counted = json.loads((cache.directory / "state.json").read_text())["stats"]["downloads"]
+    finally:
+        if held:
+            os.close(held[0])  # releases the lock
+        downloader.join(20)
+    assert (visible, counted) == ([], 0), "the entry could be read before its download was counted"
+    stats = cache.stats()
+    assert stats["downloads"] == 1 and stats["used_bytes"] == item[2]
+    assert os.listdir(cache.directory / "entries") == ["000000.tar"]
+
+
+def _download_and_exit_once_placed(cache, item):
+    """Download ``item``, and leave the process by os._exit the moment its entry is renamed into place, as a
+    loader's worker leaves (multiprocessing ends a worker by os._exit) under a predownload thread still at work."""
+    real_rename, entries = os.rename, str(cache.directory / "entries")
+
+    def rename(src, dst, *args, **kwargs):
+        real_rename(src, dst, *args, **kwargs)
+        if os.path.dirname(os.fspath(dst)) == entries:
+            os._exit(0)
+
+    os.rename = rename  # this forked child's own os module
+    cache.local(*item)
+    os._exit(3)  # never: the rename above ends the process
+
+
+def test_a_download_whose_process_exits_right_after_placing_it_is_counted_once(shards, caches, tmp_path):
+    """A process that renamed a whole, checked download into place and exited before recording it: the next
+    stats() (of any process) finds the dead downloader's reservation beside the entry and counts the download,
+    once, with its bytes; the entry then serves hits. Counted only when the room was next needed, it used to be
+    accounted as an entry but never as a download: cache_stats() stayed one download short."""
+    site = shards(n=1)
+    item = site.item(0)
+    cache = caches(tmp_path / "cache", None)
+    child = FORK.Process(target=_download_and_exit_once_placed, args=(cache, item))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0, "the child did not exit at the rename of its entry"
+    assert os.listdir(cache.directory / "entries") == ["000000.tar"]
+    stats = cache.stats()
+    assert (stats["downloads"], stats["downloaded_bytes"], stats["used_bytes"]) == (1, item[2], item[2])
+    assert Path(cache.local(*item)).read_bytes() == site.data[0]
+    stats = cache.stats()
+    assert (stats["downloads"], stats["hits"], stats["used_bytes"]) == (1, 1, item[2])
+    assert site.server.requests == 1
+
+
 def _read_sequence(cache, site_items, sequence, out):
     """Read every shard of sequence through the cache (predownloading 2 ahead); report crc mismatches and the
     most bytes the directory held just after each admission."""
@@ -507,3 +596,60 @@ def test_a_read_waiting_for_room_says_so_within_seconds_and_goes_on_once_room_is
     finally:
         logging.getLogger("fastfeed").removeHandler(handler)
     assert out and Path(out[0]).read_bytes() == site.data[2]
+
+
+def _room(tmp_path, sizes, next_use, need, *, policy="farthest", optional_use=None, ages=None):
+    """One eviction choice, made by ``ShardCache._make_room`` on given accounting (no server, no download): entries
+    ``sizes`` (k -> bytes) in a cache holding exactly their sum, a new shard of ``need`` bytes, ``next_use(k)`` as a
+    dict, and entry files whose mtimes put them in ``ages`` order (oldest first; default: by k). ``optional_use``:
+    the new shard's next use when it is a predownload (which evicts only entries needed later than it). Returns
+    (the entries left, the bytes held back when no room could be made)."""
+    cache = ShardCache(tmp_path / f"c{len(list(tmp_path.iterdir()))}", sum(sizes.values()), policy=policy)
+    try:
+        (cache.directory / "entries").mkdir(parents=True)
+        for age, k in enumerate(ages or sorted(sizes)):
+            cache._entry(k).write_bytes(b"x" * sizes[k])
+            os.utime(cache._entry(k), ns=(10**18 + age * 10**9,) * 2)
+        state = {"entries": {str(k): s for k, s in sizes.items()}, "reserved": {}, "stats": {"evictions": 0}}
+        uses = dict(next_use)
+        if optional_use is not None:
+            uses[99] = optional_use
+        held = cache._make_room(state, 99, need, lambda k: uses[k], 0, optional_use is not None)
+        left = sorted(int(k) for k in state["entries"])
+        assert sorted(int(p.stem) for p in (cache.directory / "entries").iterdir()) == left  # evicted: unlinked
+        assert state["stats"]["evictions"] == len(sizes) - len(left)
+        return left, held
+    finally:
+        cache.close()
+
+
+def test_the_eviction_choice_is_the_farthest_next_use_then_the_least_recently_used_and_no_more(tmp_path):
+    """The choice itself, exactly, where the two-epoch download counts above only bound its effect: the entry
+    needed farthest ahead goes first (never one in use), then the next farthest, and only as many as make room;
+    among entries needed equally far the least recently used goes; LRU orders by last use alone. Guards against
+    the farthest rank inverted (nearest use evicted), ties broken most-recently-used first, and one eviction too
+    many when the room freed is exactly the room needed."""
+    sizes = {0: 30, 1: 30, 2: 20, 3: 20}
+    uses = {0: 5.0, 1: math.inf, 2: 3.0, 3: -1.0}  # 3 is being read
+    assert _room(tmp_path, sizes, uses, 25) == ([0, 2, 3], None)  # 1, never needed again, alone
+    assert _room(tmp_path, sizes, uses, 30) == ([0, 2, 3], None)  # exactly 1's bytes: still 1 alone
+    assert _room(tmp_path, sizes, uses, 35) == ([2, 3], None)  # then 0 (use 5) before 2 (use 3)
+    assert _room(tmp_path, sizes, uses, 81) == ([0, 1, 2, 3], 20)  # 3 is in use: 80 can go, not 81
+    ties = {0: 7.0, 1: 7.0, 2: 7.0, 3: 2.0}
+    assert _room(tmp_path, sizes, ties, 15, ages=[1, 2, 0, 3]) == ([0, 2, 3], None)  # 1 used least recently
+    assert _room(tmp_path, sizes, ties, 35, ages=[2, 0, 1, 3]) == ([1, 3], None)  # 2 (20), then 0 (30)
+    # LRU: by last use alone (0 goes though 1 is never needed again), and never an entry being read (3)
+    assert _room(tmp_path, sizes, uses, 15, policy="lru", ages=[0, 2, 3, 1]) == ([1, 2, 3], None)
+    assert _room(tmp_path, sizes, uses, 15, policy="lru", ages=[3, 2, 0, 1]) == ([0, 1, 3], None)
+
+
+def test_a_predownload_evicts_only_entries_needed_later_than_the_shard_it_fetches(tmp_path):
+    """A predownload of a shard needed at position 4 may evict entries needed after 4 (the farthest first), never
+    one needed at 4 or sooner: when those needed later free too little, nothing is evicted and the bytes kept are
+    reported. Guards against a predownload evicting an entry needed as soon as the shard it fetches (``<=``
+    loosened to ``<``), which trades one download for another."""
+    sizes = {0: 30, 1: 30, 2: 20, 3: 20}
+    uses = {0: 5.0, 1: math.inf, 2: 4.0, 3: -1.0}
+    assert _room(tmp_path, sizes, uses, 45, optional_use=4.0) == ([2, 3], None)
+    assert _room(tmp_path, sizes, uses, 65, optional_use=4.0) == ([0, 1, 2, 3], 40)  # 2 (at 4) and 3 (in use)
+    assert _room(tmp_path, sizes, uses, 25, optional_use=math.inf) == ([0, 1, 2, 3], 100)  # a shard never needed

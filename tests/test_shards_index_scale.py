@@ -18,7 +18,8 @@ N_SHARDS, PER_SHARD = 200, 1000
 def big_index(tmp_path_factory):
     path = tmp_path_factory.mktemp("index") / "fastfeed-index.json"
     doc = {"format": "fastfeed-shard-index", "version": 1, "shards": [
-        {"url": f"shard-{k:06d}.tar", "size": 10**8, "crc32": k, "first": 512,
+        # 10**9: each shard's 1000 samples (512 + ~100.5 MB) must fit its size, which the reader checks.
+        {"url": f"shard-{k:06d}.tar", "size": 10**9, "crc32": k, "first": 512,
          "lengths": [100_000 + i for i in range(PER_SHARD)], "keys": [f"{k:06d}{i:09d}" for i in range(PER_SHARD)]}
         for k in range(N_SHARDS)]}  # fmt: skip
     path.write_text(json.dumps(doc, separators=(",", ":")))
@@ -51,7 +52,7 @@ def test_a_subset_keeps_its_shards_keys_and_ranges_without_decoding_them(big_ind
     assert sub.urls == urls and sub.n_samples == 2 * PER_SHARD
     assert sub.shard_keys(0) == index.shard_keys(7) and sub.shard_keys(1) == index.shard_keys(2)
     assert np.array_equal(sub.shard_offsets(1), index.shard_offsets(2))
-    assert sub == ShardIndex.from_shards([{"url": u, "size": 10**8, "crc32": c, "keys": index.shard_keys(k),
+    assert sub == ShardIndex.from_shards([{"url": u, "size": 10**9, "crc32": c, "keys": index.shard_keys(k),
                                            "offsets": index.shard_offsets(k)} for u, c, k in ((urls[0], 7, 7),
                                                                                                (urls[1], 2, 2))])
 

@@ -8,6 +8,8 @@ thread. A worker's death is seen at once through its process sentinel.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import gc
 import multiprocessing.util  # its exit handler joins child processes: ours, registered after it, runs before it
 import os
 import select
@@ -85,6 +87,31 @@ def _pipe() -> tuple[Connection, _PipeEnd, Connection, _PipeEnd]:
             _PipeEnd(res_r, writable=False), Connection(res_w, readable=False))  # fmt: skip
 
 
+@contextlib.contextmanager
+def _frozen_for_fork(context):
+    """gc.freeze() while workers are forked, so that their collector never walks the parent's objects.
+
+    A full collection in a forked worker writes to the header of every object it tracks, so every page of the
+    dataset's Python objects would be copied into every worker (pytorch/pytorch#13246). Objects frozen before
+    the fork sit in the permanent generation, which the child's collector skips; the child never unfreezes them
+    (they live as long as it does anyway). The parent unfreezes at once, so its own garbage is still collected.
+    Only for fork: spawned and forkserver workers build their own objects. A program that froze objects itself
+    manages its own freezing; it is left alone.
+    """
+    try:
+        method = context.get_start_method()
+    except (AttributeError, ValueError):
+        method = None
+    if method != "fork" or gc.get_freeze_count() > 0:
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 class Worker:
     __slots__ = ("worker_id", "process", "tasks", "results", "poller", "_child_ends")
 
@@ -122,12 +149,12 @@ class Worker:
 class Pool:
     """Start ``num_workers`` processes running ``target(worker_id, *args, tasks, results)``.
 
-    ``first_started(pool)`` runs once worker 0 is up and before the others start: tasks sent
-    then (to any worker: every pipe exists already) let worker 0 begin while the rest are
-    forked, each fork being a copy of this process's page tables that takes milliseconds.
+    Every worker is forked here, before the caller sends a task (and so draws from its sampler): what the main
+    process builds before a fork and writes to after it (an epoch's sampler order, whose reference counts it writes
+    as it hands indices out) ends up copied, page by page, into that worker's private memory.
     """
 
-    def __init__(self, context, num_workers, target, args_for, hang_dump_s: float = 0, first_started=None):
+    def __init__(self, context, num_workers, target, args_for, hang_dump_s: float = 0):
         self.hang_dump_s = hang_dump_s  # 0: never dump stacks by itself
         self.all_gone = False  # after stop(): every worker process has exited
         self.workers: list[Worker] = []
@@ -136,14 +163,13 @@ class Pool:
         self.blocked = 0  # receives that found no answer waiting, and waited
         try:
             self.workers = [Worker(wid) for wid in range(num_workers)]
-            args = [args_for(wid) for wid in range(num_workers)]  # all before first_started changes anything
-            for w in self.workers:
-                w.launch(context, target, args[w.worker_id])
-                for fd in (w.results.fileno(), w.process.sentinel):
-                    self._any.register(fd, _READY)
-                    self._fd_owner[fd] = w
-                if w.worker_id == 0 and first_started is not None:
-                    first_started(self)
+            args = [args_for(wid) for wid in range(num_workers)]
+            with _frozen_for_fork(context):
+                for w in self.workers:
+                    w.launch(context, target, args[w.worker_id])
+                    for fd in (w.results.fileno(), w.process.sentinel):
+                        self._any.register(fd, _READY)
+                        self._fd_owner[fd] = w
         except BaseException:
             started = []
             for w in self.workers:

@@ -6,14 +6,16 @@ fastfeed bench --from REPORT.json [--markdown] [--plot] [WORKLOAD ...]    tables
 fastfeed bench --compare OLD.json NEW.json [--threshold 0.1]             exit 1 when a figure regressed
 fastfeed bench gpu [--out DIR]                                           the GPU checks (needs CUDA; exit 2 without)
 fastfeed bench shards --scale [--out DIR]                                an epoch's order at 100M and 1B samples
+fastfeed bench memory [--quick] [--rounds N] [--out DIR]                 workers' USS and PSS, with fastfeed.share
 
 Workloads: transport (bytes to the consumer), overhead (a batch's own cost), jpeg (decode; fastfeed's
 processes, threads and DALI), text (tokenising in Python), startup (time to the first batch), files (storage
 behind latency: read-ahead and cache), shards (tar shards: fastfeed.io.Shards against webdataset and Mosaic's
 streaming, over HTTP and local disk), tune (the tuner against an exhaustive grid), ray (Ray actors as workers on
 a local cluster it starts: their overhead, scaling and local plus remote; needs ray). Without a workload, all of
-them. Loaders run interleaved in rounds, after warm-up; every figure is a ratio to torch in the same run
-(median, min-max over rounds). The report (JSON), its CSV and PNG plots go to --out (default bench-results).
+them. memory (workers' USS and PSS for 1M dicts of metadata, with and without fastfeed.share, and 2 ranks
+under torchrun) runs only when named: it takes minutes and gigabytes. Loaders run interleaved in rounds, after
+warm-up; every figure is a ratio to torch in the same run (median, min-max over rounds). The report (JSON), its CSV and PNG plots go to --out (default bench-results).
 """
 
 from __future__ import annotations
@@ -136,6 +138,11 @@ def _run(target: str, args, loaders: list[str], counts) -> dict:
         from .suites import shards_scale
 
         return {"kind": "shards_scale", "result": shards_scale.main(["--quick"] if args.quick else [])}
+    if target == "memory":  # named only: it builds 1M-item datasets in many processes, for minutes
+        from .suites import memory
+
+        argv = (["--quick"] if args.quick else []) + (["--rounds", str(args.rounds)] if args.rounds else [])
+        return {"kind": "memory", "result": memory.main(argv)}
     if target in standard.STANDARD:
         if args.loaders and "dali" in loaders and target != "jpeg":
             print(f"# {target}: no DALI side (DALI decodes images: fastfeed bench jpeg has one)")

@@ -125,6 +125,16 @@ def figure_rows(report: dict):
                                    numerator=row["whole"][key], denominator=row["window"][key], unit=unit)
         elif entry["kind"] == "ray":
             yield from _ray_rows(name, res)
+        elif entry["kind"] == "memory":
+            for key, st in res["summary"].items():
+                torch_key = key.split(" ")[0] + " torch"
+                yield dict(workload=name, key=key, figure="workers_peak_uss", median=st["uss_over_torch"], min=None,
+                           max=None, numerator=st["peak_uss_mb"], denominator=res["summary"][torch_key]["peak_uss_mb"],
+                           unit="MB")  # fmt: skip
+            for rk in res.get("ranks", []):
+                yield dict(workload=name, key=f"{rk['ranks']} ranks {'share' if rk['shared'] else 'no share'}",
+                           figure="pss_over_one_copy", median=rk["over_one_copy"], min=None, max=None,
+                           numerator=rk["pss_summed"] / 1e6, denominator=rk["one_copy"] / 1e6, unit="MB")
         elif entry["kind"] == "tune":
             for row in res["rows"]:
                 for fig, key in (("throughput", "throughput_ratio"), ("tune_time", "time_ratio")):
@@ -182,6 +192,10 @@ def _table(name: str, entry: dict) -> str:
         return scale_markdown(entry["result"])
     if entry["kind"] == "ray":
         return ray_markdown(entry["result"])
+    if entry["kind"] == "memory":
+        from .suites.memory import markdown as memory_markdown
+
+        return memory_markdown(entry["result"])
     if entry["kind"] == "tune":
         from .suites.tune import markdown as tune_markdown
 

@@ -23,6 +23,7 @@ import warnings
 import torch
 
 from .. import stats
+from .._state_check import check_dali_state
 from . import build
 from .convert import Converter
 
@@ -153,9 +154,8 @@ class DALILoader:
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from ``state``: the next ``iter()`` yields the batches after the saved ones (a new pipeline)."""
-        if not isinstance(state, dict) or state.get("fastfeed_dali") != STATE_VERSION:
-            raise ValueError("load_state_dict: not a DALILoader state (it comes from DALILoader.state_dict(), "
-                             f"version {STATE_VERSION})")  # fmt: skip
+        # Checked whole before the pipeline is closed or its checkpoint handed to DALI (see _state_check).
+        check_dali_state(state, STATE_VERSION, "DALILoader.load_state_dict")
         if self._fn is None:
             raise ValueError("load_state_dict: DALILoader can restore only a pipeline it builds: pass the "
                              "@pipeline_def function instead of a made Pipeline (or make the Pipeline with "
@@ -170,6 +170,10 @@ class DALILoader:
             self.close()
             diff = ", ".join(f"{k}: saved {theirs[k]!r}, now {mine[k]!r}" for k in mine if theirs[k] != mine[k])
             raise ValueError(f"load_state_dict: the state was saved by a different loader ({diff})")
+        if state["runs"] > self._runs_per_epoch:  # a run past the epoch's end: the epoch would end at once
+            self.close()
+            raise ValueError(f"DALILoader.load_state_dict: state['runs'] is {state['runs']}; expected at most "
+                             f"{self._runs_per_epoch}, the batches of this loader's epoch")  # fmt: skip
         self._epoch, self._runs = state["epoch"], state["runs"]
         self._resuming = True
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import logging
 import os
 import sys
 import threading
@@ -34,6 +35,7 @@ from .blocked import Clock
 from .timeline import EpochRecord, LoaderRecord, WorkerRecord
 from .verdict import DALI_NAMES
 
+log = logging.getLogger("fastfeed")
 _MISSING = object()
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
                 "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather", "reduce",
@@ -262,6 +264,7 @@ class Hooks:
                 return orig_iter(loader)
             if hooks.cached:
                 return hooks._cached(loader, orig_iter)
+            hooks._size_dataset(loader)
             return hooks._adopt(loader, hooks._nested(orig_iter, loader))
 
         return __iter__
@@ -304,6 +307,27 @@ class Hooks:
             rec.add = add_tick_and_read
         else:
             rec.add = add_and_tick
+
+    def _size_dataset(self, loader) -> None:
+        """Find the dataset's large Python containers (what forked workers copy as they read), once per loader,
+        before its workers are forked: walking the objects writes their reference counts, and with workers alive
+        that would copy the pages into them, the very growth the doctor measures."""
+        seen = self._seen(loader)
+        info = seen.info
+        if info.containers is not None or info.kind == "dali" or not info.local_workers:
+            return
+        if info.worker_type == "thread":
+            info.containers = []  # threads share the one copy: nothing is copied
+            return
+        if getattr(loader, "_iterator", None) is not None:
+            return  # persistent workers forked before the watch: walking now would copy the objects into them
+        from ..sharing.find import large_containers
+
+        try:
+            info.containers = [list(c) for c in large_containers(loader.dataset)]
+        except Exception as e:  # a dataset's attribute that raises when read must not fail the script
+            log.debug("fastfeed doctor: the dataset's containers could not be sized (%s)", e)
+            info.containers = []
 
     def _adopt(self, loader, it):
         """Record ``it``'s batches: through fastfeed's own recorder, or one fed from torch's ``_next_data``."""

@@ -27,6 +27,7 @@ from html import escape
 
 import numpy as np
 
+from . import memory
 from .evidence import ms
 from .ranks import RankRecord, RankSplit
 from .timeline import LoaderRecord, Timeline
@@ -162,8 +163,38 @@ def timeline_data(timeline: Timeline) -> dict:
              RANK_COLOURS[i % len(RANK_COLOURS)], 100) for i, p in enumerate(pids)])  # fmt: skip
         if procs:
             tracks.append({"title": "worker processes' CPU (% of a core)", "series": procs, "ymax": None})
+    tracks += _memory_tracks(timeline, primary, shift)
     marks = [_r(ep.asks[0] - start) for ep in (primary.epochs if primary else [])[1:] if ep.asks]
     return {"span": _r(span), "xlabel": "seconds since the watch started", "tracks": tracks, "marks": marks}
+
+
+def _readings(samples: list[dict], key) -> list[dict]:
+    """The samples in which ``key(sample)`` was read: memory is read every few ticks, and a line through the
+    ticks between would break at each."""
+    return [s for s in samples if key(s) is not None]
+
+
+def _memory_tracks(timeline: Timeline, primary: LoaderRecord | None, shift: float) -> list[dict]:
+    """Each worker process's private memory (USS) and the machine's available memory, in MB, as two tracks; none
+    when neither was sampled."""
+    tracks = []
+    pids = list(dict.fromkeys(p for ep in primary.epochs for p in ep.pids)) if primary is not None else []
+    series = []
+    for i, pid in enumerate(pids):
+        def uss(s, pid=str(pid)):
+            return (s.get("proc_uss") or {}).get(pid)
+
+        series += _series(_readings(timeline.samples, uss), shift,
+                          [(uss, f"worker pid {pid}", RANK_COLOURS[i % len(RANK_COLOURS)], 1 / 2**20)])  # fmt: skip
+    if series:
+        tracks.append({"title": "memory: each worker's private memory (USS, MB)", "series": series, "ymax": None})
+    available = _series(_readings(timeline.samples, lambda s: s.get("mem_available")), shift,
+                        [("mem_available", "available", "#7f7f7f", 1 / 2**20)])  # fmt: skip
+    if available:
+        total = f" of {timeline.mem_total / 2**20:,.0f}" if timeline.mem_total else ""
+        tracks.append({"title": f"memory: the machine's available memory (MB{total})", "series": available,
+                       "ymax": timeline.mem_total / 2**20 if timeline.mem_total else None})  # fmt: skip
+    return tracks
 
 
 def _drawn(ranks: list[RankRecord], keep: list[int] | None) -> tuple[list[int], int]:
@@ -265,6 +296,9 @@ def _advice(d: dict) -> str:
     for a in advice:
         predicted = ("not predicted" if a.get("predicted_gain") is None else
                      f"{_num(a.get('predicted_samples_per_s'))} samples/s ({_x(a['predicted_gain'])})")
+        if a.get("predicted_saving_bytes") is not None:  # fastfeed.share: memory, not speed
+            predicted = (f"saves {memory.mb(a['predicted_saving_bytes'])} of memory, room for "
+                         f"{a.get('more_workers')} more workers")
         if a.get("needs"):  # advice for another machine: what to start, never run here
             measured = f'<span class="muted">not measured here: needs {_e(a["needs"])}</span>'
         elif closing and closing.get("change") == a["change"]:
@@ -283,6 +317,22 @@ def _advice(d: dict) -> str:
     what = "predicted job gain" if job else "predicted"
     return ('<section id="advice"><h2>Advice, best first: predicted against measured</h2>'
             + _table(["change", what, "measured (closing what-if run)", "why"], rows, "advice") + "</section>")
+
+
+def _memory(d: dict) -> str:
+    """The workers' private memory, the machine's headroom and copy-on-read, when memory was sampled."""
+    m = d.get("memory")
+    if not m:
+        return ""
+    rows = [[_e(w["pid"]), _e(memory.mb(w["start_bytes"])), _e(memory.mb(w["end_bytes"])),
+             _e(memory.mb(w["peak_bytes"])), f'<span class="num">{_e(memory.mb(w["growth_bytes"]))}</span>']
+            for w in m["workers"]]  # fmt: skip
+    out = ['<section id="memory"><h2>Memory</h2>']
+    out += [f"<p>{_e(line)}</p>" for line in memory.lines(m)]
+    if rows:
+        out.append(_table(["worker pid", "private (USS) at start", "at the end", "peak", "growth"], rows, "memory"))
+    out.append("</section>")
+    return "".join(out)
 
 
 def _whatifs(d: dict) -> str:
@@ -363,6 +413,7 @@ def page(d: dict, text: str, timeline: dict) -> str:
         '<p class="muted hint">Wheel (or the buttons) to zoom around the pointer, drag to pan, double-click to '
         "reset.</p></section>",
         _questions(d),
+        _memory(d),
         _advice(d),
         _whatifs(d),
         f'<section id="text"><details><summary>The text report</summary><pre>{_e(text)}</pre></details></section>',

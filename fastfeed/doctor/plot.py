@@ -41,7 +41,7 @@ JOB_BASE_IN = SAMPLES_IN + 1.5  # and for that panel, the title and the time axi
 
 
 def timeline_png(timeline: Timeline, path, title: str | None = None) -> Path:
-    """Draw ``timeline`` into a PNG at ``path``: step and wait per batch, GPU, CPU, and worker busy panels.
+    """Draw ``timeline`` into a PNG at ``path``: step and wait per batch, GPU, CPU, worker busy and memory panels.
 
     ``title``: a line at the top, the doctor's verdict. Raises ImportError when matplotlib is missing.
     """
@@ -49,17 +49,61 @@ def timeline_png(timeline: Timeline, path, title: str | None = None) -> Path:
     fig = figure_cls(figsize=(12, 10), dpi=100, layout="constrained")
     canvas_cls(fig)
     try:
-        axes = fig.subplots(4, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2, 2, 2]})
-        rec = timeline.primary()
-        _batches_panel(axes[0], timeline, rec)
-        _gpu_panel(axes[1], timeline)
-        _cpu_panel(axes[2], timeline)
-        _workers_panel(axes[3], timeline, rec)
-        _mark_epochs(axes, timeline, rec)
+        axes = draw_timeline(fig, timeline)
         return _save(fig, axes, timeline.end - timeline.start, "seconds since the watch started",
                      title or "fastfeed doctor: timeline", path)  # fmt: skip
     finally:
         fig.clear()
+
+
+def draw_timeline(fig, timeline: Timeline) -> list:
+    """The panels of ``timeline_png`` drawn on ``fig`` (a matplotlib ``Figure``), top to bottom: the loop's
+    batches, the GPU, the CPUs, the workers' busy share, and, when memory was sampled, memory (each worker's
+    private memory, the machine's available memory on the right axis). Returns their axes, in that order."""
+    memory = any(s.get("proc_uss") or s.get("mem_available") is not None for s in timeline.samples)
+    ratios = [3, 2, 2, 2] + ([2] if memory else [])
+    axes = fig.subplots(len(ratios), 1, sharex=True, gridspec_kw={"height_ratios": ratios})
+    rec = timeline.primary()
+    _batches_panel(axes[0], timeline, rec)
+    _gpu_panel(axes[1], timeline)
+    _cpu_panel(axes[2], timeline)
+    _workers_panel(axes[3], timeline, rec)
+    if memory:
+        _memory_panel(axes[4], timeline, rec)
+    _mark_epochs(axes, timeline, rec)
+    return list(axes)
+
+
+def _memory_panel(ax, timeline: Timeline, rec: LoaderRecord | None) -> None:
+    """Each worker process's private memory (USS, MB) and, on the right axis, the machine's available memory: a
+    worker that copies the dataset as it reads it (copy-on-read) climbs while the machine's headroom falls."""
+    pids = list(dict.fromkeys(p for ep in rec.epochs for p in ep.pids)) if rec is not None else []
+    drawn = 0
+    for pid in pids:
+        xs, ys = _sampled(timeline, lambda s, pid=pid: (s.get("proc_uss") or {}).get(str(pid)))
+        if xs is not None:
+            keep = ~np.isnan(ys)  # memory is read every few ticks: join the readings, not the gaps between
+            label = f"worker pid {pid}" if len(pids) <= 8 else (f"{len(pids)} workers" if not drawn else None)
+            ax.plot(xs[keep], ys[keep] / 2**20, lw=1, marker=".", ms=2, label=label)
+            drawn += 1
+    xs, ys = _sampled(timeline, lambda s: s.get("mem_available"))
+    if not drawn and xs is None:  # memory of other processes only: none of this loader's workers
+        _no_data(ax, "no memory figures for this loader's workers")
+        return
+    if drawn:
+        ax.set_ylabel("workers' private\nmemory (USS, MB)")
+        ax.set_ylim(bottom=0)
+        ax.legend(**{**LEGEND, "bbox_to_anchor": (1.06, 1)})
+    else:
+        ax.set_yticks([])
+    if xs is not None:
+        keep = ~np.isnan(ys)
+        right = ax.twinx()
+        right.plot(xs[keep], ys[keep] / 2**30, color="grey", ls="--", lw=1, label="machine: available")
+        total = f" of {timeline.mem_total / 2**30:.1f}" if timeline.mem_total else ""
+        right.set_ylabel(f"available GB{total}", color="grey")
+        right.set_ylim(bottom=0, top=(timeline.mem_total / 2**30 * 1.05) if timeline.mem_total else None)
+        right.legend(loc="lower left", bbox_to_anchor=(1.06, 0), fontsize=8)
 
 
 def job_png(ranks: list[RankRecord], splits: list[RankSplit], path, title: str | None = None,

@@ -16,9 +16,18 @@ JSON schema (``report.json``, ``"schema": "fastfeed.doctor/1"``), top-level keys
   time vs utilisation, synthetic input, host stalls, uneven storage, distributed sync, work per step), as numbers.
 - ``periodic``: stalls every ``period`` batches (``bursts``: a multiple of num_workers), or null.
 - ``dips``: GPU-utilisation dips and how many the input stalls explain, or null without a GPU.
+- ``memory``: ``fastfeed.doctor.memory.analyse``, or null when nothing was sampled: ``workers`` (each one's
+  ``pid``, ``start_bytes``, ``end_bytes``, ``peak_bytes``, ``growth_bytes`` of private memory, USS),
+  ``worker_start_bytes`` and ``worker_growth_bytes`` (means), ``workers_growth_bytes``, ``growth_per_sample_bytes``,
+  ``tracks_reads_r``, the machine's ``mem_total``, ``available_start`` / ``available_min`` / ``available_end`` and
+  ``headroom`` (the lowest available over the total), ``containers`` (the dataset's large Python containers,
+  ``[name, kind, count, est_bytes]``; null when not looked for: workers already running when the watch began),
+  ``copy_on_read``, ``culprit`` (``{name, kind, count, est_bytes}``), ``saving_bytes`` and ``more_workers`` (what
+  ``fastfeed.share`` would save, and the workers it would hold).
 - ``advice``: ``{change, setting, why, predicted_samples_per_s, predicted_gain, needs}``, what runs on this machine
   first; ``needs`` is null, or what the advice needs beyond it (Ray actors with no cluster reachable from here:
-  what to start), and such advice is never the closing run's.
+  what to start; a change to the script, for ``fastfeed.share``), and such advice is never the closing run's.
+  ``fastfeed.share``'s advice adds ``predicted_saving_bytes`` and ``more_workers``.
 - ``whatif``: ``compute_ceiling``, ``input_ceiling``, ``input_ceiling_fastfeed``, ``closing``: each
   ``{samples_per_s, batches_per_s, batches, seconds, ...}`` or absent when not run; ``closing`` also has the
   setting, the predicted and the measured samples/s, and ``gain``: the measured rate over the recorded one, both
@@ -34,6 +43,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .._atomic import write_atomic
+from . import memory
 from .evidence import ms as _ms
 from .timeline import Timeline
 from .verdict import Verdict, diagnose
@@ -92,6 +102,7 @@ class Report:
             "questions": v.questions,
             "periodic": v.periodic,
             "dips": v.dips,
+            "memory": v.memory,
             "advice": v.advice,
             "whatif": self.whatif,
             "command": self.command,
@@ -130,6 +141,7 @@ class Report:
                          + (f", the {p['num_workers']} workers finishing together" if p["bursts"] else ""))
         if d["dips"]:
             lines.append(f"GPU dips: {d['dips']['dips']}, {d['dips']['explained']} of them during input stalls")
+        lines += memory.lines(d.get("memory"))
         lines.append("questions:")
         for i, q in enumerate(d["questions"], 1):
             lines.append(f"  {i}. {q['question']} {_fmt(q['value'], q['unit'])} ({q['how']})")

@@ -24,6 +24,10 @@ so every sample has real deltas. Figures that cannot be read here are None. Fiel
 - ``main_cpu``: the fraction of one core the process's main thread used (the loop, and its kernel launches).
 - ``proc_cpu``: ``{str(pid): fraction of one core}`` for each watched process (the loader's workers) seen at
   both ends of the interval; can exceed 1 for a multi-threaded process.
+- ``proc_uss``: ``{str(pid): bytes}``, each watched process's private memory (USS, ``fastfeed._memory``), and
+  ``mem_available``: the machine's available memory in bytes (``MemAvailable`` of /proc/meminfo). Read every
+  ``MEMORY_INTERVAL`` seconds, not every tick (the kernel walks a process's page tables to sum smaps_rollup, about
+  a millisecond per few hundred MB mapped): None in the samples between.
 - ``gpu_util``, ``gpu_mem_util``: 0..1, NVML's utilisation rates (time a kernel ran; time memory was read or
   written) of the watched GPU. ``gpu_mem_used``: bytes of its memory in use.
 - ``pcie_rx_mbps``, ``pcie_tx_mbps``: MB/s over its PCIe link (NVML's KB/s ÷ 1000), rx into the GPU: the latest
@@ -44,6 +48,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Iterable
 
+from .. import _memory
 log = logging.getLogger("fastfeed")
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -51,7 +56,8 @@ SECTOR = 512  # /proc/diskstats counts 512-byte sectors whatever the device's ow
 _NOT_DISKS = ("loop", "ram", "zram")
 GPU_KEYS = ("gpu_util", "gpu_mem_util", "gpu_mem_used", "pcie_rx_mbps", "pcie_tx_mbps")
 SAMPLE_KEYS = ("t", "dt", "cpu_busy", "iowait", "psi_cpu", "psi_io", "disk_read_mbps", "disk_read_ms", "disk_reads",
-               "main_cpu", "proc_cpu", *GPU_KEYS)  # fmt: skip
+               "main_cpu", "proc_cpu", "proc_uss", "mem_available", *GPU_KEYS)  # fmt: skip
+MEMORY_INTERVAL = 0.5  # seconds between readings of the workers' USS and the machine's available memory
 
 
 # -- parsers: pure functions of a /proc file's text -----------------------------------------------------------------
@@ -112,6 +118,17 @@ def parse_ticks(text: str) -> int:
     # The command name (field 2) may hold spaces and ')': the fixed fields resume after the last ')'.
     fields = text[text.rindex(")") + 1 :].split(None, 13)
     return int(fields[11]) + int(fields[12])
+
+
+def parse_meminfo(text: str, field: str = "MemAvailable") -> int | None:
+    """A /proc/meminfo field in bytes (``MemAvailable``, ``MemTotal``), or None when absent."""
+    for line in text.splitlines():
+        if line.startswith(field + ":"):
+            try:
+                return int(line.split()[1]) * 1024
+            except (IndexError, ValueError):
+                return None
+    return None
 
 
 def whole_disks(root: str = "/sys/block") -> frozenset[str]:
@@ -175,6 +192,8 @@ class Reading:
     main: int | None
     procs: dict[int, int] = field(default_factory=dict)
     gpu: dict = field(default_factory=dict)  # the GPU fields, read as they are (not cumulative)
+    uss: dict[int, int] | None = None  # each process's USS, on the ticks memory is read (None on the others)
+    mem_available: int | None = None
 
 
 def delta(prev: Reading, cur: Reading) -> dict:
@@ -195,6 +214,9 @@ def delta(prev: Reading, cur: Reading) -> dict:
     sample["main_cpu"] = _cores(prev.main, cur.main, dt)
     sample["proc_cpu"] = {str(pid): _cores(prev.procs[pid], ticks, dt)
                           for pid, ticks in cur.procs.items() if pid in prev.procs}  # fmt: skip
+    if cur.uss is not None:
+        sample["proc_uss"] = {str(pid): b for pid, b in cur.uss.items()}
+    sample["mem_available"] = cur.mem_available
     sample.update(cur.gpu)
     return sample
 
@@ -236,6 +258,10 @@ class Probe:
         self._diskstats = _open("/proc/diskstats") if self.disks else None
         self._main = _open(f"/proc/self/task/{threading.main_thread().native_id}/stat")
         self._procs: dict[int, _ProcFile] = {}
+        self._rollups: dict[int, _ProcFile] = {}  # each process's smaps_rollup, kept open as its stat is
+        self._meminfo = _open("/proc/meminfo")
+        self.memory_interval = MEMORY_INTERVAL
+        self._memory_due = 0.0  # the first reading takes memory: the baseline of every worker's growth
         self._nvml, self._handle, self.gpu = _nvml_open(gpu_index)
         self._pcie = _Pcie(self._nvml, self._handle, pcie_interval) if self._nvml is not None else None
 
@@ -247,7 +273,30 @@ class Probe:
                           _parsed(self._diskstats, lambda text: parse_diskstats(text, self.disks)),
                           _parsed(self._main, parse_ticks), self._read_procs())  # fmt: skip
         reading.gpu = self._read_gpu()
+        # A worker seen for the first time is read at once: its first reading is the baseline of its growth.
+        if t >= self._memory_due or any(pid not in self._rollups for pid in reading.procs):
+            self._memory_due = t + self.memory_interval
+            reading.uss = self._read_uss(reading.procs)
+            reading.mem_available = _parsed(self._meminfo, parse_meminfo)
         return reading
+
+    def _read_uss(self, pids) -> dict[int, int]:
+        """The USS of each of ``pids`` (those whose stat was just read), from its smaps_rollup kept open."""
+        for pid in set(self._rollups) - set(pids):
+            f = self._rollups.pop(pid)
+            if f is not None:
+                f.close()
+        out = {}
+        for pid in pids:
+            if pid not in self._rollups:
+                try:
+                    self._rollups[pid] = _ProcFile(f"/proc/{pid}/smaps_rollup")
+                except OSError:  # gone, or a kernel without smaps_rollup (before 4.14): None, not tried again
+                    self._rollups[pid] = None
+            use = _parsed(self._rollups[pid], _memory.parse_rollup)
+            if use is not None:
+                out[pid] = use.uss
+        return out
 
     def _read_procs(self) -> dict[int, int]:
         wanted = set(self._pids())
@@ -282,10 +331,12 @@ class Probe:
 
     def close(self) -> None:
         """Close the files and shut NVML down (if it was initialised)."""
-        for f in (self._stat, self._psi_cpu, self._psi_io, self._diskstats, self._main, *self._procs.values()):
+        for f in (self._stat, self._psi_cpu, self._psi_io, self._diskstats, self._main, self._meminfo,
+                  *self._procs.values(), *(f for f in self._rollups.values() if f is not None)):  # fmt: skip
             if f is not None:
                 f.close()
         self._procs.clear()
+        self._rollups.clear()
         if self._pcie is not None:
             self._pcie.close()  # before NVML shuts down under its calls
             self._pcie = None

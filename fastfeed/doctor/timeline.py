@@ -68,6 +68,9 @@ class LoaderRecord:
     prefetch: bool = False  # the dataset reads ahead (defines prefetch(indices), as fastfeed.io.Files does)
     epochs: list[EpochRecord] = field(default_factory=list)
     worker_split: list[int] | None = None
+    # The dataset's large Python containers, ``[name, kind, count, est_bytes]`` each, largest first
+    # (``fastfeed.sharing.large_containers``): what forked workers copy as they read it. None: not looked for.
+    containers: list | None = None
 
     @property
     def batches(self) -> int:
@@ -92,7 +95,8 @@ class Timeline:
     and the figures of the interval that ended then. ``cpus``: this process's allowed CPUs.
     ``gpu``: the GPU watched (``{"index", "name"}``) or None. ``distributed_s``: seconds the main
     thread spent in ``torch.distributed`` collectives called from Python; ``world``: the ranks of its process group. ``placement``: where the
-    workers ran against the GPU's NUMA node, when there is one to compare with.
+    workers ran against the GPU's NUMA node, when there is one to compare with. ``mem_total``: the machine's memory,
+    against which the samples' ``mem_available`` is its headroom.
     """
 
     start: float
@@ -104,6 +108,7 @@ class Timeline:
     distributed_s: float = 0.0
     world: int = 1  # ranks in the process group the script had made by the watch's end (1: none)
     placement: dict | None = None
+    mem_total: int | None = None  # the machine's memory in bytes (MemTotal)
 
     def primary(self) -> LoaderRecord | None:
         """The loader that yielded the most batches: the training loader."""

@@ -34,6 +34,7 @@ COUNTERS = (
     ("gpu %", (("gpu_util", 100), ("gpu_mem_util", 100))),
     ("disk MB/s", (("disk_read_mbps", 1),)),
     ("pcie MB/s", (("pcie_rx_mbps", 1), ("pcie_tx_mbps", 1))),
+    ("memory available MB", (("mem_available", 1 / 2**20),)),  # read every few ticks: a counter holds its value
 )
 
 

@@ -17,6 +17,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from ..stats import quantile
+from . import memory
 from .evidence import Evidence, cv, gather, ms, pearson
 from .ranks import RankSplit
 from .timeline import Timeline
@@ -48,6 +49,7 @@ class Verdict:
     advice: list = field(default_factory=list)
     periodic: dict | None = None
     dips: dict | None = None
+    memory: dict | None = None  # fastfeed.doctor.memory.analyse: the workers' growth, headroom, copy-on-read
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -381,7 +383,11 @@ def diagnose(tl: Timeline, whatif: dict | None = None, sync: RankSplit | None = 
         bottleneck, cause = _not_input(ev), None
     events = stall_events(ev)
     per = periodic(ev, events)
+    advice = advise(ev, bottleneck, cause, whatif, per)
+    mem = memory.analyse(tl, ev)
+    share = memory.advice(mem)
+    if share is not None:  # whatever holds the loop back: copying the dataset into every worker costs memory
+        advice.append(share)  # needs a change to the script: after what runs here (see advise)
     return Verdict(bottleneck=bottleneck, cause=cause, severity=severity, line=_line(bottleneck, cause, severity, ev),
-                   evidence=ev.summary(), questions=questions(tl, ev, whatif, events),
-                   advice=advise(ev, bottleneck, cause, whatif, per), periodic=per,
-                   dips=dips(tl, ev, stall_events(ev, starts=True)))  # fmt: skip
+                   evidence=ev.summary(), questions=questions(tl, ev, whatif, events), advice=advice, periodic=per,
+                   dips=dips(tl, ev, stall_events(ev, starts=True)), memory=mem)  # fmt: skip

@@ -110,7 +110,7 @@ class Watch:
         return Timeline(start=self.start, end=self.end or time.perf_counter(), loaders=loaders,
                         samples=list(self.sampler.samples), cpus=len(os.sched_getaffinity(0)),
                         gpu=self.sampler.gpu, distributed_s=self.hooks.distributed_s, world=_world(),
-                        placement=self._placement())  # fmt: skip
+                        placement=self._placement(), mem_total=topology.meminfo_bytes("MemTotal"))  # fmt: skip
 
     def _placement(self) -> dict | None:
         """Where the workers ran against the watched GPU's NUMA node; None without a GPU or with one node."""

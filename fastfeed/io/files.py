@@ -44,10 +44,13 @@ class Files(Dataset):
         revalidate_s: a cached remote file is served without asking its store for this long after it was fetched
             or last checked; then its version (size, ETag or modification time) is checked again, and a changed
             file is fetched anew. Local files are checked (a ``stat``) on every read.
-        retries: further attempts after a read or a listing that failed transiently (a 5xx such as S3's 503
-            SlowDown, a reset or refused connection, a timeout), with backoff from 0.1 s, doubling up to 2 s
-            (``fastfeed.io.remote.retry``, as for ``Shards``). A missing file (404) or a denied one (403) fails
-            at once.
+        retries: further attempts at most after a read or a listing that failed transiently (a 5xx such as S3's
+            503 SlowDown, 429, a reset or refused connection, a timeout); None (default): as many as
+            ``retry_budget`` allows. Each waits a random time up to a bound doubling from 0.1 s to 5 s, after the
+            store's Retry-After (``fastfeed.io.remote.retry``, as for ``Shards``). A missing file (404) or a
+            denied one (403) fails at once.
+        retry_budget: seconds after a request's first failure during which it is retried; None (default): 120 s
+            (``fastfeed.io.remote.DEFAULT_RETRY_BUDGET_S``); ``math.inf``: no limit.
         timeout: seconds a remote request may send nothing (the connection, or the next bytes of a body) before
             it counts as failed; a large file that arrives slowly but steadily is read whole.
 
@@ -56,11 +59,12 @@ class Files(Dataset):
     """
 
     def __init__(self, sources, decode: Callable[[bytes], object] | None = None, *, readahead: int = 16,
-                 cache_dir=None, cache_bytes: int | None = None, retries: int = 3, timeout: float = 60.0,
+                 cache_dir=None, cache_bytes: int | None = None, retries: int | None = None,
+                 retry_budget: float | None = None, timeout: float = 60.0,
                  revalidate_s: float = 600.0) -> None:  # fmt: skip
-        for name, value in (("readahead", readahead), ("retries", retries)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"Files: {name} must be an int >= 0, got {value!r}")
+        if isinstance(readahead, bool) or not isinstance(readahead, int) or readahead < 0:
+            raise ValueError(f"Files: readahead must be an int >= 0, got {readahead!r}")
+        remote.check_retry_args(retries, retry_budget, "Files")
         if decode is not None and not callable(decode):
             raise TypeError(f"Files: decode must be callable (bytes -> sample) or None, got {type(decode).__name__}")
         if isinstance(sources, (str, bytes, os.PathLike)):
@@ -74,6 +78,7 @@ class Files(Dataset):
         self.decode = decode
         self.readahead = readahead
         self.retries = retries
+        self.retry_budget = retry_budget
         self.cache = None if cache_dir is None else Cache(cache_dir, cache_bytes)
         self.revalidate_s = revalidate_s
         self.remote = Remote(timeout)
@@ -90,7 +95,7 @@ class Files(Dataset):
             directory, pattern = self._pattern
             if is_url(directory):
                 try:
-                    self._sources = self.remote.glob(directory, pattern, self.retries)
+                    self._sources = self.remote.glob(directory, pattern, self.retries, self.retry_budget)
                 except remote.RemoteError as e:
                     raise e.within(f"fastfeed.io.Files: listing {pattern!r} in {directory}") from e
             else:
@@ -140,7 +145,8 @@ class Files(Dataset):
         """The bytes of sample ``index``, retried with backoff; errors name the source and the index."""
         source = self.source(index)
         try:
-            return remote.retry(lambda: self._read(source), self.retries, what=source, timeout=self.remote.timeout)
+            return remote.retry(lambda: self._read(source), self.retries, what=source, timeout=self.remote.timeout,
+                                budget=self.retry_budget, url=source)  # fmt: skip
         except _FINAL as e:
             raise _unreadable(e, index, source) from e
         except remote.RemoteError as e:
@@ -152,7 +158,8 @@ class Files(Dataset):
         async with local.limit():
             try:
                 return await remote.retry_async(lambda: self._read_async(fs, source), self.retries, what=source,
-                                                timeout=self.remote.timeout)  # fmt: skip
+                                                timeout=self.remote.timeout, budget=self.retry_budget,
+                                                url=source)  # fmt: skip
             except _FINAL as e:
                 raise _unreadable(e, index, source) from e
             except remote.RemoteError as e:

@@ -17,19 +17,35 @@ must not reuse its parent's event loop or connection pool.
 Every read of a dataset's bytes or metadata (``Files``' reads, version checks and listing; ``Shards``' listing,
 index, scan, size look-ups and downloads) goes through ``retry``: one rule for what is worth another attempt and
 one backoff. Stores shed load with 503 (S3's SlowDown) exactly when a thousand ranks start at once, so a transient
-failure (a 5xx, 408, 429, a reset or refused connection, a timeout) is tried again after ``backoff``; a permanent
-one (404 or 410: missing, 401 or 403: denied, another 4xx) raises at once, since every attempt would get the same
-answer.
+failure (a 5xx, 408, 429, a reset or refused connection, a timeout) is tried again; a permanent one (404 or 410:
+missing, 401 or 403: denied, another 4xx) raises at once, since every attempt would get the same answer.
+
+The policy is made for that storm:
+
+- The wait before a retry is drawn at random up to a bound that doubles from ``BACKOFF_S`` to ``MAX_BACKOFF_S``
+  ("full jitter", AWS's recommendation): readers refused together do not come back together. It starts after the
+  store's ``Retry-After`` when it sent one (``retry_after``).
+- A request is retried until ``budget`` seconds have passed since its first failure (``DEFAULT_RETRY_BUDGET_S``,
+  two minutes, by default: a start-up storm passes in seconds to a minute), and, when ``retries`` is given, at
+  most that many times.
+- Each store (scheme and host, or bucket) has one ``StoreRate`` per process: unbounded until the store throttles
+  (503, 429), then a token bucket cut at each throttle and grown back as requests succeed (botocore's adaptive
+  mode), so that a node stops hammering a store that is shedding load.
+- This is the only retry layer: s3fs's own loop and botocore's retries are turned off under it (``filesystem``),
+  and fsspec's HTTP has none. (gcsfs retries each request itself, up to 6 attempts in about 30 s, and offers no
+  way to turn that off per filesystem: over ``gs://`` that loop runs inside each of these attempts.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import errno
 import http
-import itertools
 import logging
+import math
 import os
+import random
 import sys
 import threading
 import time
@@ -41,8 +57,21 @@ HINT = "pip install 'fastfeed[remote]' (fsspec, plus s3fs or gcsfs for the cloud
 _VERSION_KEYS = ("ETag", "etag", "mtime", "LastModified", "last_modified", "Last-Modified", "updated", "md5_hash")
 DEFAULT_TIMEOUT_S = 60.0  # connect and read timeouts of a filesystem made without one (index writes, listings)
 CLOSE_TIMEOUT_S = 5.0  # closing a client waits on the event loop at most this long
-BACKOFF_S = 0.1  # the wait before the first retry; it doubles with each further one
-MAX_BACKOFF_S = 2.0  # ... up to this: a store shedding load recovers in seconds, and a rank must not idle longer
+# A request is retried for this long after its first failure, by default (``retry``'s ``budget``): long enough for
+# a start-up storm (a job's ranks against a store shedding load) to pass, short enough that a store that is down
+# is reported within minutes.
+DEFAULT_RETRY_BUDGET_S = 120.0
+BACKOFF_S = 0.1  # the bound of the first retry's random wait; it doubles with each further retry
+MAX_BACKOFF_S = 5.0  # ... up to this: readers spread over seconds, and none idles long once the store recovers
+RETRY_NOTICE_S = 10.0  # a request still retried this long after its first failure says so (once per store)
+# The jitter's own source, from the OS: the module ``random`` is the user's stream (seeded alike on every rank by
+# many training scripts, which would put every rank's retries back in lockstep, and saved and restored by a
+# resume, which a retry must not move).
+_JITTER = random.SystemRandom()
+# Throttling, as opposed to failing: the store asks the client to send less (S3's 503 SlowDown, 429 elsewhere).
+_THROTTLE_STATUS = {429, 503}
+_THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
+                   "TooManyRequestsException", "RequestThrottled", "RequestThrottledException"}  # fmt: skip
 # Errors of the program or the installation, not of the store: another attempt cannot change them.
 _NOT_THE_STORE = (TypeError, AttributeError, NotImplementedError, ImportError, IsADirectoryError, NotADirectoryError)
 # Statuses that mean "the object is not there" / "you may not read it"; other 4xx but these transient ones are
@@ -87,7 +116,17 @@ def client_options(proto: str, storage_options: dict | None, timeout: float | No
         config = dict(options.get("config_kwargs") or {})
         config.setdefault("connect_timeout", timeout)
         config.setdefault("read_timeout", timeout)
+        # One attempt per botocore call: ``retry`` is the one retry layer, with the budget, jitter, Retry-After
+        # and rate the user set; botocore's own (legacy mode: 5 attempts) would multiply each of ours unseen.
+        config.setdefault("retries", {"total_max_attempts": 1})
         options["config_kwargs"] = config
+    elif proto in ("gs", "gcs"):
+        import aiohttp
+
+        # gcsfs passes requests_timeout to every aiohttp request; its default (None) means no timeout at all, not
+        # the session's, so a silent store would hang a read for good.
+        options.setdefault("requests_timeout", aiohttp.ClientTimeout(total=None, sock_connect=timeout,
+                                                                     sock_read=timeout))  # fmt: skip
     return options
 
 
@@ -112,29 +151,59 @@ class RemoteError(OSError):
         return RemoteError(f"{context} {self}", attempts=self.attempts, reason=self.reason, permanent=self.permanent)
 
 
-def _gave_up(attempts: int, last: BaseException, timeout: float | None, permanent: bool = False) -> RemoteError:
+def _gave_up(attempts: int, last: BaseException, timeout: float | None, permanent: bool = False, *,
+             spent: float | None = None, budget: float | None = None,
+             asked: float | None = None) -> RemoteError:  # fmt: skip
     reason = describe(last, timeout)
     if permanent:
         text = f"was refused ({reason}); not retried, as every attempt would get the same answer"
-    else:
+    elif spent is None:
         text = f"failed {attempts} time(s); last: {reason}"
+    elif asked is not None:
+        text = (f"failed {attempts} time(s) in {spent:.0f} s; last: {reason}, and the store asked to wait {asked:g} s "
+                f"more, past the retry budget of {budget:g} s: pass a larger retry_budget (seconds) to wait for it")
+    else:
+        text = (f"failed {attempts} time(s) in {spent:.0f} s; last: {reason}; the retry budget of {budget:g} s is "
+                "spent: pass a larger retry_budget (seconds) to keep trying longer")
     return RemoteError(text, attempts=attempts, reason=reason, permanent=permanent)
 
 
-def backoff(retry_number: int) -> float:
-    """Seconds to wait before retry ``retry_number`` (0: the first)."""
-    return min(BACKOFF_S * 2**retry_number, MAX_BACKOFF_S)
+def backoff(retry_number: int, retry_after: float | None = None) -> float:
+    """Seconds to wait before retry ``retry_number`` (0: the first): drawn uniformly from ``[0, bound]``, the bound
+    ``BACKOFF_S`` doubling with each retry up to ``MAX_BACKOFF_S`` (full jitter: readers that failed together
+    spread out), after the ``retry_after`` seconds the store asked for."""
+    bound = min(BACKOFF_S * 2 ** min(retry_number, 30), MAX_BACKOFF_S)
+    return (retry_after or 0.0) + _JITTER.uniform(0.0, bound)
 
 
-def retry(call: Callable[[], T], retries: int, *, what: str = "a request", final: tuple = (),
-          timeout: float | None = None, wait: Callable[[float], object] = time.sleep) -> T:  # fmt: skip
-    """``call()``, called again after each transient failure, up to ``retries`` more times, waiting ``backoff``.
+def check_retry_args(retries, retry_budget, who: str) -> None:
+    """Raise ValueError, led by ``who``, for a ``retries`` or ``retry_budget`` the policy cannot use."""
+    if retries is not None and (isinstance(retries, bool) or not isinstance(retries, int) or retries < 0):
+        raise ValueError(f"{who}: retries must be None (as many as retry_budget allows) or an int >= 0 (further "
+                         f"attempts after a failure), got {retries!r}")  # fmt: skip
+    if retry_budget is not None and (isinstance(retry_budget, bool) or not isinstance(retry_budget, (int, float))
+                                     or not retry_budget > 0):  # fmt: skip
+        raise ValueError(f"{who}: retry_budget must be None (the default, {DEFAULT_RETRY_BUDGET_S:g} s) or seconds "
+                         f"> 0 (math.inf: no time limit), got {retry_budget!r}")  # fmt: skip
+
+
+def retry(call: Callable[[], T], retries: int | None = None, *, what: str = "a request", final: tuple = (),
+          timeout: float | None = None, wait: Callable[[float], object] = time.sleep, budget: float | None = None,
+          url: str | None = None) -> T:  # fmt: skip
+    """``call()``, called again after each transient failure, waiting ``backoff`` between attempts, for up to
+    ``budget`` seconds after the first failure and at most ``retries`` more times (None: as many as the budget
+    allows).
 
     Args:
+        retries: further attempts at most; None: no count, only the budget.
         what: the object asked for, for the debug log line of each retry.
         final: exception types raised as they are, at once (the caller's own verdicts: a damaged shard).
         timeout: the request timeout, to say "no data for N s" when that is what ended the last attempt.
         wait: sleeps between attempts (a cache passes its stop event's ``wait``, so that closing cuts it short).
+        budget: seconds after the first failure past which no retry starts (None: ``DEFAULT_RETRY_BUDGET_S``;
+            ``math.inf``: no limit). A store's Retry-After longer than what is left of it ends the retries.
+        url: the object's URL: its store's ``StoreRate`` in this process paces the attempts and learns from
+            their answers (None, or a local path: not paced).
 
     Raises:
         FileNotFoundError: the object is missing (404, 410, or a local path), at once.
@@ -142,45 +211,102 @@ def retry(call: Callable[[], T], retries: int, *, what: str = "a request", final
         RemoteError: every attempt failed, or the store refused the request for good (another 4xx).
         ``final``'s types, and errors of the program rather than the store (TypeError...), as they are.
     """
-    for attempt in itertools.count():
+    attempts = _Attempts(retries, budget, what, timeout, url)
+    while True:
+        while (pause := attempts.pace()) > 0:
+            wait(pause)
+        attempts.sending()
         try:
-            return call()
+            result = call()
         except final:
             raise
-        except Exception as e:  # noqa: BLE001 - sorted into retry or give up by _after
-            delay = _after(e, attempt, retries, what, timeout)
+        except Exception as e:  # noqa: BLE001 - sorted into retry or give up by _Attempts.failed
+            delay = attempts.failed(e)
+        else:
+            attempts.succeeded()
+            return result
         wait(delay)
 
 
-async def retry_async(call: Callable[[], Awaitable[T]], retries: int, *, what: str = "a request",
-                      final: tuple = (), timeout: float | None = None) -> T:  # fmt: skip
-    """``retry`` for a coroutine on an event loop (the same verdicts and backoff; the waits are awaited)."""
-    for attempt in itertools.count():
+async def retry_async(call: Callable[[], Awaitable[T]], retries: int | None = None, *, what: str = "a request",
+                      final: tuple = (), timeout: float | None = None, budget: float | None = None,
+                      url: str | None = None) -> T:  # fmt: skip
+    """``retry`` for a coroutine on an event loop (the same verdicts, budget, backoff and pacing; the waits are
+    awaited)."""
+    attempts = _Attempts(retries, budget, what, timeout, url)
+    while True:
+        while (pause := attempts.pace()) > 0:
+            await asyncio.sleep(pause)
+        attempts.sending()
         try:
-            return await call()
+            result = await call()
         except final:
             raise
-        except Exception as e:  # noqa: BLE001 - sorted into retry or give up by _after
-            delay = _after(e, attempt, retries, what, timeout)
+        except Exception as e:  # noqa: BLE001 - sorted into retry or give up by _Attempts.failed
+            delay = attempts.failed(e)
+        else:
+            attempts.succeeded()
+            return result
         await asyncio.sleep(delay)
 
 
-def _after(error: Exception, attempt: int, retries: int, what: str, timeout: float | None) -> float:
-    """The wait before the next attempt after ``error``; or raises what ``_verdict`` says (the one rule of both
-    ``retry`` and ``retry_async``)."""
-    verdict = _verdict(error, attempt, retries, timeout)
-    if verdict is error:
-        raise error
-    if verdict is not None:
-        raise verdict from error
-    delay = backoff(attempt)
-    log.debug("fastfeed: %s: %s; attempt %d of %d in %.2f s", what, describe(error, timeout), attempt + 2,
-              retries + 1, delay)  # fmt: skip
-    return delay
+class _Attempts:
+    """One request's attempts: what ``retry`` and ``retry_async`` share (the verdicts, the budget, the pacing)."""
+
+    def __init__(self, retries: int | None, budget: float | None, what: str, timeout: float | None,
+                 url: str | None) -> None:  # fmt: skip
+        self.retries, self.what, self.timeout = retries, what, timeout
+        self.budget = DEFAULT_RETRY_BUDGET_S if budget is None else budget
+        self.store = store_of(url) if url is not None else None
+        self.rate = rate_of(self.store) if self.store is not None else None
+        self.attempt = 0
+        self.first_failure: float | None = None
+        self.sent = 0.0
+
+    def pace(self) -> float:
+        """0 when the next attempt may go out now (its store's rate in this process); else seconds to wait before
+        asking again."""
+        return self.rate.delay() if self.rate is not None else 0.0
+
+    def sending(self) -> None:
+        self.sent = time.monotonic()
+
+    def succeeded(self) -> None:
+        if self.rate is not None:
+            self.rate.answered(self.sent, throttled=False)
+
+    def failed(self, error: Exception) -> float:
+        """The wait before the next attempt after ``error``; or raises what the policy says."""
+        attempt, self.attempt = self.attempt, self.attempt + 1
+        verdict = _verdict(error, attempt, self.retries, self.timeout)
+        if verdict is error:
+            raise error
+        if verdict is not None:
+            raise verdict from error
+        now = time.monotonic()
+        if self.first_failure is None:
+            self.first_failure = now
+        asked = retry_after(error)
+        if self.rate is not None:
+            self.rate.answered(self.sent, throttled=throttled(error), retry_after=asked)
+        spent = now - self.first_failure
+        left = self.budget - spent
+        if left <= 0 or (asked is not None and asked > left):
+            raise _gave_up(attempt + 1, error, self.timeout, spent=spent, budget=self.budget,
+                           asked=asked if asked is not None and left > 0 else None) from error  # fmt: skip
+        delay = min(backoff(attempt, asked), max(left, asked or 0.0))  # the last wait ends with the budget
+        if spent >= RETRY_NOTICE_S and self.store is not None and self.store not in _NOTICED:
+            _NOTICED.add(self.store)
+            log.warning("fastfeed: %s has failed requests for %.0f s (last: %s); each is retried for up to %g s "
+                        "(retry_budget)", self.store, spent, describe(error, self.timeout), self.budget)  # fmt: skip
+        log.debug("fastfeed: %s: %s; attempt %d in %.2f s", self.what, describe(error, self.timeout), attempt + 2,
+                  delay)  # fmt: skip
+        return delay
 
 
-def _verdict(error: Exception, attempt: int, retries: int, timeout: float | None) -> Exception | None:
-    """None: worth another attempt (one is left); else what to raise (``error`` itself: raise it as it is)."""
+def _verdict(error: Exception, attempt: int, retries: int | None, timeout: float | None) -> Exception | None:
+    """None: worth another attempt, as far as the error and the count go; else what to raise (``error`` itself:
+    raise it as it is)."""
     if isinstance(error, _NOT_THE_STORE):
         return error
     kind = classify(error)
@@ -190,7 +316,52 @@ def _verdict(error: Exception, attempt: int, retries: int, timeout: float | None
         return error if isinstance(error, PermissionError) else PermissionError(describe(error, timeout))
     if kind == "rejected":
         return _gave_up(attempt + 1, error, timeout, permanent=True)
-    return _gave_up(attempt + 1, error, timeout) if attempt >= retries else None
+    return _gave_up(attempt + 1, error, timeout) if retries is not None and attempt >= retries else None
+
+
+def retry_after(error: BaseException) -> float | None:
+    """The seconds the store asked the client to wait (its ``Retry-After`` header: seconds, or an HTTP date), or
+    None when it sent none. aiohttp's ClientResponseError keeps the response's ``headers`` (also under fsspec's
+    FileNotFoundError, as its cause); botocore's ClientError its ``response["ResponseMetadata"]["HTTPHeaders"]``
+    (names in lower case; under s3fs's translated OSError, as its cause)."""
+    for e in _chain(error):
+        value = None
+        headers = getattr(e, "headers", None)
+        if headers is not None and hasattr(headers, "get"):
+            value = headers.get("Retry-After")
+        response = getattr(e, "response", None)
+        if value is None and isinstance(response, dict):
+            value = ((response.get("ResponseMetadata") or {}).get("HTTPHeaders") or {}).get("retry-after")
+        if value is not None:
+            return _seconds(str(value))
+    return None
+
+
+def _seconds(value: str) -> float | None:
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None  # neither form: as if it had sent none
+        if when.tzinfo is None:
+            return None
+        seconds = when.timestamp() - time.time()
+    return max(0.0, seconds) if math.isfinite(seconds) else None
+
+
+def throttled(error: BaseException) -> bool:
+    """Whether ``error`` is the store asking for fewer requests (503, 429, a throttling error code), rather than
+    failing one."""
+    for e in _chain(error):
+        if _status(e) in _THROTTLE_STATUS:
+            return True
+        response = getattr(e, "response", None)
+        if isinstance(response, dict) and (response.get("Error") or {}).get("Code") in _THROTTLE_CODES:
+            return True
+    return False
 
 
 def classify(error: BaseException) -> str:
@@ -289,6 +460,124 @@ def _refused(error: BaseException) -> bool:
                for e in (error, cause))  # fmt: skip
 
 
+# -- each store's rate, per process -------------------------------------------------------------------------------
+
+
+class StoreRate:
+    """The rate this process sends requests to one store at (botocore's adaptive retry mode is the model).
+
+    Unbounded until the store throttles (503, 429: it asks for fewer requests); from then on a token bucket of a
+    second's requests. A throttle cuts the rate to ``BETA`` x what was being sent, once per round trip (the answers
+    to requests sent before the last cut were asked at the old rate, and say nothing of the new one), and the rate
+    grows back along CUBIC's curve as requests succeed: quickly towards the rate where the store last throttled,
+    slowly around it, quickly again past it; never above twice the rate measured (a process that sends little
+    earns no large allowance). A ``Retry-After`` pauses every request to the store for that long, and they resume
+    at the bucket's pace, not in a burst.
+
+    A request asks ``delay()`` until it is 0 (its token is taken then): a wait is never promised ahead, so a rate
+    that grows back serves the requests already waiting. A process's threads and its event loop share one per
+    store (``rate_of``); ``clock`` is for tests.
+    """
+
+    MIN_RATE = 0.5  # requests/s: the floor of a throttled store's rate
+    BETA = 0.7  # the cut at a throttle
+    SCALE = 0.4  # CUBIC's C: how fast the rate grows back
+    SMOOTH = 0.8  # weight of the latest interval in the measured rate
+    INTERVAL_S = 0.5  # the measured rate's interval
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        now = clock()
+        self.limited = False
+        self.rate = math.inf  # requests/s while limited
+        self.measured = 0.0  # answers/s, smoothed
+        self._tokens, self._filled = 0.0, now
+        self._paused_until = now
+        self._w_max, self._k, self._cut_at = 0.0, 0.0, -math.inf
+        self._count, self._interval = 0, math.floor(now / self.INTERVAL_S)
+
+    def delay(self) -> float:
+        """0, taking a token for the request about to be sent; else the seconds to wait before asking again."""
+        with self._lock:
+            now = self._clock()
+            if now < self._paused_until:
+                return self._paused_until - now
+            if not self.limited:
+                return 0.0
+            if now > self._filled:
+                self._tokens = min(max(1.0, self.rate), self._tokens + (now - self._filled) * self.rate)
+                self._filled = now
+            if self._tokens >= 1.0:
+                self._tokens -= 1.0
+                return 0.0
+            # Spread over a little more than the token's own wait: the requests waiting do not all ask at once.
+            return (1.0 - self._tokens) / self.rate * _JITTER.uniform(1.0, 1.5)
+
+    def answered(self, sent: float, throttled: bool, retry_after: float | None = None) -> None:
+        """A request sent at ``sent`` (this clock) got its answer: ``throttled``, or not (a success, or a failure
+        that is not the store asking for fewer requests)."""
+        with self._lock:
+            now = self._clock()
+            self._measure(now)
+            if throttled:
+                if sent >= self._cut_at:
+                    sending = self.measured or self._count / self.INTERVAL_S
+                    base = min(self.rate, sending) if self.limited else sending
+                    self._w_max, self._cut_at = base, now
+                    self._k = (base * (1 - self.BETA) / self.SCALE) ** (1 / 3)
+                    self.rate = max(base * self.BETA, self.MIN_RATE)
+                    self.limited = True
+                    self._tokens, self._filled = 0.0, max(self._filled, now)  # the bucket fills from the cut on
+                if retry_after:
+                    self._paused_until = max(self._paused_until, now + retry_after)
+                    # One request goes when the pause ends (the one that was asked to wait, or another), the
+                    # next at the bucket's pace: no tokens gather while paused.
+                    self._tokens, self._filled = 1.0, max(self._filled, self._paused_until)
+            elif self.limited:
+                grown = self.SCALE * (now - self._cut_at - self._k) ** 3 + self._w_max
+                self.rate = max(min(grown, 2 * self.measured), self.MIN_RATE)
+
+    def _measure(self, now: float) -> None:
+        self._count += 1
+        interval = math.floor(now / self.INTERVAL_S)
+        if interval > self._interval:
+            current = self._count / ((interval - self._interval) * self.INTERVAL_S)
+            self.measured = self.SMOOTH * current + (1 - self.SMOOTH) * self.measured
+            self._count, self._interval = 0, interval
+
+
+_RATES: dict[str, StoreRate] = {}
+_RATES_LOCK = threading.Lock()
+_NOTICED: set[str] = set()  # stores whose long retries were reported (once per process)
+
+
+def store_of(url: str) -> str | None:
+    """The store a URL's requests go to, as its rate is kept: ``scheme://host[:port]`` (an S3 or GCS bucket);
+    None for a local path."""
+    if not is_url(url):
+        return None
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://{rest.split('/', 1)[0]}"
+
+
+def rate_of(store: str) -> StoreRate:
+    """This process's ``StoreRate`` of ``store`` (``store_of``'s form)."""
+    with _RATES_LOCK:
+        rate = _RATES.get(store)
+        if rate is None:
+            rate = _RATES[store] = StoreRate()
+        return rate
+
+
+def _forget_rates() -> None:
+    """A forked child's own rates: its parent's lock may have been held at the fork, and its pace is its own."""
+    global _RATES_LOCK
+    _RATES_LOCK = threading.Lock()
+    _RATES.clear()
+    _NOTICED.clear()
+
+
 # -- filesystems: made and closed in one place --------------------------------------------------------------------
 
 # Every filesystem made here and still alive, by id (fsspec filesystems of equal options compare equal, so a set
@@ -310,6 +599,7 @@ def _keep_inherited() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_keep_inherited)
+    os.register_at_fork(after_in_child=_forget_rates)
 
 
 def filesystem(url: str, storage_options: dict | None = None, timeout: float | None = None, *,
@@ -323,6 +613,10 @@ def filesystem(url: str, storage_options: dict | None = None, timeout: float | N
         raise ImportError(f"{who}: reading {url} needs fsspec: {HINT}") from None
     options = client_options(protocol(url), storage_options, timeout)
     fs, path = fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)
+    if protocol(url) in ("s3", "s3a") and isinstance(getattr(fs, "retries", None), int):
+        # s3fs's own loop (its class attribute: 5 attempts, 0.1 s growing by 1.7x; no constructor option) would
+        # retry each of ``retry``'s attempts again, unseen: one attempt each, so that ``retry`` is the one layer.
+        fs.retries = 1
     _LIVE[id(fs)] = fs
     return fs, path
 
@@ -432,11 +726,12 @@ class Remote:
     async def version_async(fs, url: str) -> list:
         return _version(await fs._info(url))
 
-    def glob(self, directory: str, pattern: str, retries: int = 0) -> list[str]:
+    def glob(self, directory: str, pattern: str, retries: int | None = 0, budget: float | None = None) -> list[str]:
         """The URLs under ``directory`` that match ``pattern``, sorted; the listing is retried as reads are."""
         fs = self.fs(directory)
         where = directory.rstrip("/") + "/" + pattern
-        found = retry(lambda: fs.glob(where), retries, what=f"listing {where}", timeout=self.timeout)
+        found = retry(lambda: fs.glob(where), retries, what=f"listing {where}", timeout=self.timeout, budget=budget,
+                      url=directory)  # fmt: skip
         return sorted(fs.unstrip_protocol(p) if not is_url(p) else p for p in found)
 
 

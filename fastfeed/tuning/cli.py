@@ -1,8 +1,8 @@
 """``fastfeed tune``: tune a dataset's loader from the shell, and look after the tuning cache.
 
 fastfeed tune module:attr [--step module:fn | --step-ms MS] [--batch-size N] [--budget S] [--max-workers N]
-                          [--tolerance F] [--worker-types process,thread] [--remote MAX] [--out config.json]
-                          [--json]
+                          [--tolerance F] [--worker-types process,thread] [--remote MAX] [--memory-budget MB]
+                          [--out config.json] [--json]
 fastfeed tune --show       list the tuning cache
 fastfeed tune --clear      empty it
 
@@ -60,6 +60,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--remote", type=_positive(int), default=0, metavar="MAX",
                    help="then add up to MAX Ray actors beside the best local workers, searching their count "
                    "(needs pip install 'fastfeed[ray]' and a running Ray cluster)")  # fmt: skip
+    p.add_argument("--memory-budget", type=_positive(float), metavar="MB",
+                   help="memory a setting may use, batches and workers (default: half the available memory); "
+                   "each worker's cost is predicted from the first trial, copy-on-read growth included")  # fmt: skip
     p.add_argument("--out", metavar="PATH", help="save the choice as a config file fastfeed.load_config reads")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
     cache = p.add_mutually_exclusive_group()
@@ -113,7 +116,9 @@ def _tune(args, dataset, base: dict, step, worker_types) -> int:
         # Looked up on the package at call time, where tests can stand in for it.
         result = fastfeed.tune(dataset, step=step, budget_s=args.budget, max_workers=args.max_workers,
                                tolerance=args.tolerance, worker_types=tuple(worker_types), on_trial=on_trial,
-                               **({"remote": args.remote} if args.remote else {}), **base)  # fmt: skip
+                               **({"remote": args.remote} if args.remote else {}),
+                               **({"memory_budget": int(args.memory_budget * 2**20)} if args.memory_budget else {}),
+                               **base)  # fmt: skip
     except (ImportError, RuntimeError) as e:
         if not args.remote:
             raise

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import transfer
+from .. import _memory, transfer
 from .result import Setting, Trial
 
 MIN_WINDOWS = 3
@@ -68,19 +68,8 @@ def probe_batch_bytes(loader_cls, dataset, base: dict) -> int:
 
 
 def private_bytes(pids) -> int:
-    """The largest private memory (resident and swapped) among ``pids``: what one more worker costs."""
-    largest = 0
-    for pid in pids:
-        total = 0
-        try:
-            with open(f"/proc/{pid}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith(("Private_Clean:", "Private_Dirty:", "Swap:")):
-                        total += int(line.split()[1]) * 1024
-        except (OSError, ValueError, IndexError):
-            continue
-        largest = max(largest, total)
-    return largest
+    """The largest private memory (USS: resident and swapped) among ``pids``: what one more worker costs."""
+    return _memory.largest_uss(pids)
 
 
 def loader_args(base: dict, setting: Setting) -> dict:
@@ -158,6 +147,11 @@ def _windows(loader, trial: Trial, step, tolerance: float, deadline: float, wind
         raise ValueError("the loader yields no batches: nothing to tune") from None
     trial.batch_bytes = batch_bytes(first)
     del first
+    pids = _worker_pids(loader)
+    # Each worker's private memory once it has made its first batches, and again at the end: what it grows by
+    # in between is what it copied of the parent's memory while reading (copy-on-read), which goes on growing
+    # past the trial, toward the size of the dataset's Python objects (see offline.Budget).
+    start_bytes = private_bytes(pids) if pids else 0
     warm = (loader.num_workers * (loader.prefetch_factor or 0)) + 1
     feed = _Feed(loader, it, step, warm)
     waits, steps = 0.0, 0.0
@@ -169,10 +163,22 @@ def _windows(loader, trial: Trial, step, tolerance: float, deadline: float, wind
         waits, steps = waits + wait, steps + stepped
     trial.stall_fraction = waits / (waits + steps) if waits + steps > 0 else 0.0
     trial.load_s = load_seconds(loader.stats())
-    it = getattr(loader, "_iterator", None)
-    pids = getattr(getattr(it, "_pool", None), "pids", None)  # local worker processes (none for threads, actors)
-    if it is not None and not getattr(it, "_threads", True) and pids:
+    pids = _worker_pids(loader) or pids
+    if pids:
         trial.worker_bytes = private_bytes(pids)
+        trial.worker_start_bytes = min(start_bytes, trial.worker_bytes) if start_bytes else trial.worker_bytes
+        # The samples each worker read between the two readings: the batches taken since, shared out (a batch
+        # in flight at either end is within a worker's prefetch of it).
+        trial.samples_per_worker = feed.batches * (loader.batch_size or 1) / max(1, len(pids))
+
+
+def _worker_pids(loader) -> list[int]:
+    """The loader's local worker processes now (none for threads, Ray actors or ``num_workers=0``)."""
+    it = getattr(loader, "_iterator", None)
+    pids = getattr(getattr(it, "_pool", None), "pids", None)
+    if it is None or getattr(it, "_threads", True) or not pids:
+        return []
+    return list(pids)
 
 
 class _Feed:
@@ -185,6 +191,7 @@ class _Feed:
     def __init__(self, loader, it, step, warm: int):
         self.loader, self.it, self.step = loader, it, step
         self.wait = self.stepped = 0.0  # seconds in next() and in the step (and the loop)
+        self.batches = 0  # taken after the first
         for _ in range(warm - 1):  # the first batch was taken already
             self._next()
 
@@ -199,6 +206,7 @@ class _Feed:
             except StopIteration:
                 raise ValueError("the loader yields no batches: nothing to tune") from None
         t1 = time.perf_counter()
+        self.batches += 1
         if self.step is not None:
             self.step(batch)
         self.wait += t1 - t0

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
 import warnings
 from typing import Callable
 
-from .. import config, topology
+from .. import _memory, config, topology
 from .._workers import WORKER_TYPES
 from . import agree, measure
 from .result import Setting, Trial, TuneResult
@@ -17,6 +18,11 @@ from .search import Search
 SHM_SHARE = 0.8  # of the free space where batch segments live
 RAM_SHARE = 0.5  # of the available memory: the default memory budget
 TIGHT = 0.1  # batches in flight above this share of the budget make memory a concern
+# A worker's private memory that grows by more than this over the first trial is copying what it reads of the
+# parent's memory (copy-on-read): its growth is projected over the dataset, not taken as it stood at the end.
+COPY_ON_READ_MIN = 4 << 20
+
+log = logging.getLogger("fastfeed")
 
 # The class tune() measures fresh instances of: fastfeed.DataLoader, handed over by fastfeed/__init__.py. The
 # loader imports tuning/ (for num_workers="auto"), so tuning/ never imports the loader.
@@ -79,12 +85,27 @@ def free_shm() -> int | None:
 class Budget:
     """Whether a setting fits in memory, from what earlier trials measured.
 
-    A setting needs ``num_workers * prefetch_factor`` batches in shared memory (the ring)
-    plus each worker's private memory. The first trial (few workers) measures both; until
-    then every setting fits.
+    A setting needs ``num_workers * prefetch_factor`` batches in shared memory (the ring) plus each worker's
+    private memory (USS). The first trial (few workers) measures both; until then every setting fits.
+
+    A worker's cost is predicted, not just read off the first trial: a forked worker that reads the dataset's
+    Python objects copies the pages holding them (reading an object writes its reference count), so its private
+    memory grows with the samples it has read, toward the size of those objects, for as long as it runs. So the
+    cost is the worker's USS once it had made its first batches plus its growth over the trial projected to the
+    whole dataset read (persistent workers read every sample, epoch after epoch), capped by what there is to copy:
+    the dataset's large Python containers (``containers``, ``fastfeed.sharing.large_containers``), or else the
+    parent's own private memory (``parent_bytes``), which is all a forked worker can copy of it.
+
+    Args:
+        memory_budget: bytes a setting may use; None: ``RAM_SHARE`` of the memory available now, so that no setting
+            chosen is predicted to leave less than the rest of it to the training process and the machine.
+        containers: the dataset's large Python containers (``Container`` tuples).
+        dataset_len: the dataset's samples (None: unsized; the growth is then taken as measured).
+        parent_bytes: the tuning process's USS (None: read now).
     """
 
-    def __init__(self, memory_budget: int | None):
+    def __init__(self, memory_budget: int | None, containers=(), dataset_len: int | None = None,
+                 parent_bytes: int | None = None):  # fmt: skip
         if memory_budget is not None and (isinstance(memory_budget, bool) or memory_budget <= 0):
             raise ValueError(f"memory_budget must be a number of bytes > 0, or None, got {memory_budget!r}")
         ram = topology.meminfo_bytes("MemAvailable")
@@ -92,12 +113,34 @@ class Budget:
         shm = free_shm()
         self.shm = int(shm * SHM_SHARE) if shm else None
         self.batch_bytes = 0
-        self.worker_bytes = 0
+        self.worker_bytes = 0  # one worker's predicted cost
+        self.start_bytes = self.growth_bytes = self.projected_growth_bytes = 0
+        self.containers = list(containers)
+        self.dataset_len = dataset_len
+        if parent_bytes is None:
+            own = _memory.usage(os.getpid())
+            parent_bytes = own.uss if own is not None else 0
+        self.parent_bytes = parent_bytes
 
     def learn(self, trial: Trial) -> None:
         self.batch_bytes = max(self.batch_bytes, trial.batch_bytes)
-        if trial.setting.worker_type == "process":
-            self.worker_bytes = max(self.worker_bytes, trial.worker_bytes)
+        if trial.setting.worker_type == "process" and trial.worker_bytes:
+            start, projected = self.predict(trial)
+            if start + projected > self.worker_bytes:
+                self.worker_bytes = start + projected
+                self.start_bytes, self.growth_bytes, self.projected_growth_bytes = start, trial.growth_bytes, projected
+
+    def predict(self, trial: Trial) -> tuple[int, int]:
+        """One worker's USS at the start of ``trial`` and its growth, projected (see the class docstring)."""
+        start = trial.worker_start_bytes or trial.worker_bytes
+        growth = trial.growth_bytes
+        if growth < COPY_ON_READ_MIN or trial.samples_per_worker <= 0:
+            return start, growth  # no copy-on-read to speak of: the trial's end stands
+        per_sample = growth / trial.samples_per_worker
+        horizon = self.dataset_len if self.dataset_len else trial.samples_per_worker
+        there = sum(c.est_bytes for c in self.containers) if self.containers else self.parent_bytes
+        projected = min(per_sample * horizon, there) if there else per_sample * horizon
+        return start, int(max(growth, projected))
 
     def tight(self, s: Setting) -> bool:
         """Whether ``s``'s batches take a notable share (``TIGHT``) of the memory it may use."""
@@ -114,8 +157,53 @@ class Budget:
         if self.shm is not None and ring > self.shm:
             return f"its {_mb(ring)} of batches exceed {SHM_SHARE:.0%} of the free shared memory ({_mb(self.shm)})"
         if self.memory is not None and ring + workers > self.memory:
-            return f"needs ~{_mb(ring + workers)} (batches {_mb(ring)} + workers {_mb(workers)}), memory budget {_mb(self.memory)}"
+            return (f"needs ~{_mb(ring + workers)} (batches {_mb(ring)} + workers {_mb(workers)}, "
+                    f"{s.num_workers} x {_mb(self.worker_bytes)}), memory budget {_mb(self.memory)}")  # fmt: skip
         return None
+
+    def max_workers(self, s: Setting, upto: int) -> int:
+        """The most ``num_workers`` up to ``upto`` that fit with ``s``'s other choices (prefetch, type, actors)."""
+        n = upto
+        while n > 0 and self(Setting(s.worker_type, n, s.prefetch_factor or 2, s.remote)):
+            n -= 1
+        return n
+
+    def summary(self, s: Setting, upto: int) -> dict | None:
+        """``TuneResult.memory``: the estimate, and the most workers that fit beside ``s``; None before any
+        worker was measured."""
+        if not self.worker_bytes:
+            return None
+        return {"worker_bytes": self.worker_bytes, "start_bytes": self.start_bytes,
+                "growth_bytes": self.growth_bytes, "projected_growth_bytes": self.projected_growth_bytes,
+                "containers": [list(c) for c in self.containers], "budget_bytes": self.memory,
+                "max_workers": self.max_workers(s, upto)}  # fmt: skip
+
+
+def dataset_memory(dataset) -> tuple[list, int | None]:
+    """The dataset's large Python containers (what forked workers copy as they read) and its length.
+
+    Called before any worker is forked: walking the objects writes their reference counts, which, with workers
+    alive, would copy the pages into them. A dataset that cannot be walked has none found (the budget then caps
+    the growth by the parent's memory)."""
+    from ..sharing.find import large_containers
+
+    try:
+        containers = large_containers(dataset)
+    except Exception as e:  # a dataset's own attributes may raise when read; the tuning goes on without them
+        log.debug("fastfeed.tune: the dataset's containers could not be sized (%s)", e)
+        containers = []
+    try:
+        length = len(dataset)
+    except TypeError:
+        length = None
+    return containers, length
+
+
+def limited_by_memory(budget: Budget, chosen: Setting, trials, max_workers: int) -> bool:
+    """Whether memory, not the CPUs, set the limit: a setting with more workers than ``chosen`` was skipped as
+    over the budget, and ``chosen`` has as many workers as fit."""
+    over = any(t.skipped and t.setting.num_workers > chosen.num_workers for t in trials)
+    return over and chosen.num_workers >= budget.max_workers(chosen, max_workers)
 
 
 def _mb(n: int) -> str:
@@ -191,7 +279,10 @@ def tune(dataset, *, step=None, budget_s: float = 60, max_workers: int | None = 
             cheapest is chosen.
         memory_budget: bytes a setting may use (ring batches plus worker memory); default half
             the available RAM. Batches in shared memory are also held to 80% of its free space.
-            Settings over it are skipped, with the reason in ``trials``.
+            Settings over it are skipped, with the reason in ``trials``. A worker's memory is predicted
+            from the first trial's: its private memory (USS) plus what it copied while reading, projected
+            over the dataset (``Budget``). ``result.limited_by`` is "memory" when the budget, not the
+            CPUs, set the limit, and ``result.memory`` holds the estimate.
         worker_types: the worker types to choose from ("process", "thread").
         remote: Ray actors to add beside the local workers, once their best count is found: the most to try
             (an int), True for as many as the connected cluster has CPUs, 0 for none. Their count is
@@ -217,7 +308,8 @@ def tune(dataset, *, step=None, budget_s: float = 60, max_workers: int | None = 
     max_remote = remote_actors(remote)
     if max_workers is None:
         max_workers = 2 * rank_cpus(loader_kwargs)
-    budget = Budget(memory_budget)
+    containers, length = dataset_memory(dataset)
+    budget = Budget(memory_budget, containers, length)
     budget.batch_bytes = measure.probe_batch_bytes(DataLoader, dataset, loader_kwargs)
     search = Search(max_workers=max_workers, tolerance=tolerance, worker_types=types,
                     min_workers=min_workers_for(loader_kwargs), fits=budget, tight=budget.tight,
@@ -227,9 +319,49 @@ def tune(dataset, *, step=None, budget_s: float = 60, max_workers: int | None = 
         return measure.run(DataLoader, dataset, loader_kwargs, setting, step, tolerance=tolerance, deadline=deadline,
                            first=first)  # fmt: skip
 
-    converged = drive(search, trial_of, on_trial, budget.learn)
+    def learn(trial: Trial) -> None:
+        budget.learn(trial)
+        why = budget(trial.setting) if trial.windows else None
+        if why:  # measured before its workers' cost was known (the first trial): never the choice
+            trial.skipped = f"{REJECTED}: {why}"
+
+    converged = drive(search, trial_of, on_trial, learn)
+    if search.choice() is None:
+        converged = _within_memory(search, trial_of, types[0], min_workers_for(loader_kwargs)) and converged
     result = finish(search, converged, started, budget_s, loader_kwargs.get("batch_size", 1))
+    result.memory = budget.summary(result.setting, max_workers)
+    if limited_by_memory(budget, result.setting, result.trials, max_workers):
+        result.limited_by = "memory"
     return agree.slowest_on_all_ranks(result, agree.tag_for("tune", dataset, loader_kwargs))
+
+
+REJECTED = "measured, but over the memory budget"
+
+
+def _within_memory(search: Search, trial_of, worker_type: str, min_workers: int) -> bool:
+    """When every setting measured turned out over the memory budget, measure ``num_workers=0`` (no worker memory
+    at all) where the loader's arguments allow it; where they do not, or it cannot be measured, the cheapest
+    setting measured is taken after all, with a warning that says by how much it is over. False: out of time."""
+    rejected = [t for t in search.order if t.windows and (t.skipped or "").startswith(REJECTED)]
+    if not rejected:
+        return True
+    converged = True
+    zero = Setting(worker_type, 0, None)
+    if min_workers == 0 and zero not in search.trials:
+        try:
+            search.report(trial_of(zero, False))
+        except measure.OutOfTime as out:
+            converged = False
+            if out.trial is not None:
+                search.report(out.trial)
+    if search.choice() is None:
+        least = min(rejected, key=lambda t: t.setting.num_workers)
+        warnings.warn(f"fastfeed.tune: no setting fits the memory budget ({least.skipped}); taking the cheapest "
+                      f"measured, {least.setting}. Pass a larger memory_budget, free memory, or share the dataset's "
+                      "metadata between the workers (dataset = fastfeed.share(dataset))", RuntimeWarning,
+                      stacklevel=3)  # fmt: skip
+        least.skipped = None
+    return converged
 
 
 def drive(search: Search, trial_of: Callable[[Setting, bool], Trial], on_trial=None, learn=None) -> bool:

@@ -56,7 +56,10 @@ class Trial:
         skipped: why the setting was not measured (memory budget, CPU limit), or None.
         seconds: wall time the trial took, start-up and warm-up included.
         batch_bytes: bytes of tensor data in one batch.
-        worker_bytes: private memory of one worker process (0 for threads or nw=0).
+        worker_bytes: private memory (USS) of one worker process at the trial's end (0 for threads or nw=0).
+        worker_start_bytes: the same once the workers had made their first batches; ``worker_bytes`` less it is
+            what a worker copied while it read (copy-on-read), which goes on past the trial.
+        samples_per_worker: the samples each worker read between those two readings.
         load_s: seconds a worker spent on one batch (fetch and collate; None with nw=0): what
             loading it in the main process, as ``num_workers=0`` does, would take.
     """
@@ -69,6 +72,13 @@ class Trial:
     batch_bytes: int = 0
     worker_bytes: int = 0
     load_s: float | None = None
+    worker_start_bytes: int = 0
+    samples_per_worker: float = 0.0
+
+    @property
+    def growth_bytes(self) -> int:
+        """What one worker's private memory grew by over the trial (see ``worker_start_bytes``)."""
+        return max(0, self.worker_bytes - self.worker_start_bytes) if self.worker_start_bytes else 0
 
     @property
     def median(self) -> float:
@@ -89,7 +99,8 @@ class Trial:
     @classmethod
     def from_dict(cls, d: dict) -> Trial:
         return cls(Setting(**d["setting"]), list(d["windows"]), d["stall_fraction"], d["skipped"], d["seconds"],
-                   d.get("batch_bytes", 0), d.get("worker_bytes", 0), d.get("load_s"))  # fmt: skip
+                   d.get("batch_bytes", 0), d.get("worker_bytes", 0), d.get("load_s"), d.get("worker_start_bytes", 0),
+                   d.get("samples_per_worker", 0.0))  # fmt: skip
 
 
 @dataclass
@@ -110,6 +121,13 @@ class TuneResult:
             ``worker_type=("process", "ray"), num_workers=(local, remote)``.
         decided_by: under ``torch.distributed``, the rank whose measurements (``trials``) decided: the slowest
             (``fastfeed.tuning.agree``); None for a tuning on one process, and in results saved before it existed.
+        limited_by: "memory" when the memory budget, not the CPUs, set the limit: a setting with more workers was
+            skipped as over the budget while the choice is the most workers that fit; None otherwise.
+        memory: the memory estimate behind the budget, or None before any worker was measured:
+            ``worker_bytes`` (one worker's predicted cost, copy-on-read growth included), ``start_bytes`` and
+            ``growth_bytes`` (measured on the first trial), ``projected_growth_bytes`` (the growth expected by the
+            time a worker has read the dataset), ``containers`` (the dataset's large Python containers, as
+            ``[name, kind, count, est_bytes]``), ``budget_bytes`` and ``max_workers`` (the most that fit).
     """
 
     num_workers: int
@@ -125,6 +143,8 @@ class TuneResult:
     batch_size: int | None = None
     remote: int = 0
     decided_by: int | None = None
+    limited_by: str | None = None
+    memory: dict | None = None
 
     @property
     def setting(self) -> Setting:
@@ -159,6 +179,9 @@ class TuneResult:
             + f"  [{'converged' if self.converged else 'NOT converged (budget)'}, {len(self.trials)} trials,"
             f" {self.elapsed_s:.1f} s]"
         )
+        memory = self.memory_line()
+        if memory:
+            head += "\n" + memory
         remote = any(t.setting.remote for t in self.trials)  # a column for the Ray actors, when any were tried
         rows = [f"{'':2}{'nw':>3} " + (f"{'ray':>3} " if remote else "")
                 + f"{'pf':>3} {'type':<8} {'batches/s':>10} {'spread':>7} {'stall':>6} {'windows':>7}"]
@@ -175,6 +198,29 @@ class TuneResult:
                 rows.append(f"{cells} {t.median:>10,.1f} {t.spread:>7.1%} {t.stall_fraction:>6.1%} "
                             f"{len(t.windows):>7}")  # fmt: skip
         return "\n".join([head, *rows])
+
+    def memory_line(self) -> str | None:
+        """One line on the memory estimate, led by "memory, not CPU, set the limit" when it did; None without one."""
+        m = self.memory
+        if not m or not m.get("worker_bytes"):
+            return None
+        line = (f"{_mb(m['worker_bytes'])} per worker predicted ({_mb(m['start_bytes'])} at start"
+                + (f" + {_mb(m['projected_growth_bytes'])} copied while reading" if m.get("projected_growth_bytes")
+                   else "") + ")")  # fmt: skip
+        if m.get("budget_bytes") is not None:
+            line += f", budget {_mb(m['budget_bytes'])}: at most {m['max_workers']} workers fit"
+        if self.limited_by != "memory":
+            return "memory: " + line
+        line = "memory, not CPU, set the limit: " + line
+        if m.get("containers"):
+            name, kind, count, est = m["containers"][0]
+            line += (f"; the workers copy dataset.{name} ({kind} of {count:,} objects, ~{_mb(est)}) as they read"
+                     " it: dataset = fastfeed.share(dataset) holds it once and lets more workers fit")
+        return line
+
+
+def _mb(n) -> str:
+    return f"{n / 2**20:,.0f} MB"
 
 
 def write_json_atomic(path, data) -> None:

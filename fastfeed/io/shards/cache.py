@@ -14,6 +14,10 @@ On disk, one directory per dataset (``<cache_dir>/<fingerprint[:16]>``, made 070
     hits/<pid>.<id>   one process's count of hits, mapped into its memory, flocked while that process counts
     state.json        the byte accounting and the other machine-wide counters, rewritten under state.lock
 
+Beside the datasets' directories, ``<cache_dir>/indexes/`` holds the shard indexes read from remote stores, one
+per index URL, so that a machine's readers read each once (``read_once``): ``<h>.data`` the bytes, ``<h>.json``
+what was read and when (or how it failed), ``<h>.lock`` the flock its reader holds.
+
 ``state.json`` changes only when bytes are reserved or freed (and when the stats are read or reset, which folds in
 the counts of processes that stopped counting), always under an exclusive ``flock`` of ``state.lock``, so all
 processes together keep ``entries + downloads in flight <= limit``: a download reserves its size before its first
@@ -26,17 +30,20 @@ unlinks the entry, so a hit's open either comes first, and its descriptor keeps 
 shard is fetched again.
 
 Integrity: a download goes to a private temporary file, its size and CRC-32 are checked against the index, and only
-then is it renamed into ``entries/`` (atomic). A process killed mid-download leaves a temporary file and a
-reservation whose shard lock the kernel has released; the next process to take that lock or to need room removes
-both (and accounts an entry the dead process renamed but did not record). An entry is therefore always whole,
-whoever crashed. (The rename is not fsynced: a power loss, unlike a crash, can leave a renamed entry whose blocks
-never reached the disk; its size is checked at each use.)
+then is it renamed into ``entries/`` (atomic), under the state lock that records it and counts the download, so
+that whoever sees an entry and then reads the stats finds its download counted. A process killed mid-download
+leaves a temporary file and a reservation whose shard lock the kernel has released; the next process to take that
+lock or to need room removes both (and accounts an entry the dead process renamed but did not record, counting it
+as the download it was; reading the stats does that too). An entry is therefore always whole, whoever crashed.
+(The rename is not fsynced: a power loss, unlike a crash, can leave a renamed entry whose blocks never reached the
+disk; its size is checked at each use.)
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import itertools
 import json
 import logging
@@ -61,6 +68,9 @@ COUNTERS = ("downloaded_bytes", "downloads", "hits", "evictions")
 # backs off from WAIT_MIN_S (room freed soon is taken soon) to WAIT_MAX_S (a long wait costs few look-ups).
 WAIT_MIN_S, WAIT_MAX_S = 0.005, 0.2
 WAIT_NOTICE_S = 3.0  # a read still waiting for room this long says so, long before wait_s ends it
+# A remote index read this recently by a reader of this machine serves its other readers without a request: a
+# job's ranks start within seconds of each other, and an index rewritten in place is seen by a job started later.
+INDEX_SHARE_S = 60.0
 # close(): how long background downloads get to stop between two chunks before the ones still blocked in a
 # request (up to `timeout` s, which close() must not wait) are abandoned.
 CLOSE_GRACE_S = 1.0
@@ -79,6 +89,94 @@ def dataset_dir(cache_dir, fingerprint: str) -> Path:
     return Path(cache_dir) / fingerprint[:16]
 
 
+# -- a shard set's index, read once per machine ------------------------------------------------------------------
+
+# The failures a reader of the index records for the readers that waited on it: each is what every reader would
+# meet (missing, denied, or the retry budget spent against the store), so they are not asked again.
+_SHARED_FAILURES = {"missing": FileNotFoundError, "denied": PermissionError, "remote": remote.RemoteError}
+
+
+def read_once(cache_dir, url: str, fetch: Callable[[], tuple[bytes, str]],
+              max_age_s: float = INDEX_SHARE_S) -> tuple[bytes, str]:  # fmt: skip
+    """``fetch()``'s ``(bytes, where they were read)`` for the index at ``url``, asked of its store by one reader
+    of this machine at a time and shared with the others through ``<cache_dir>/indexes/``.
+
+    The first reader takes the index's flock and fetches; the others (ranks, threads, processes) wait on the lock
+    and then read its copy, so a node makes one request for the index, not one per rank. A copy older than
+    ``max_age_s`` is fetched again. A fetch that failed for good (missing, denied, or every retry spent) is
+    recorded, and a reader that was waiting meanwhile raises the same error rather than starting its own retries
+    over: a store refusing a whole node's ranks would otherwise be asked by each of them in turn, for minutes each.
+
+    Raises:
+        FileNotFoundError, PermissionError, remote.RemoteError: as ``fetch`` raised them, for this reader or for
+            the one it waited for.
+    """
+    began = time.time()
+    directory = Path(cache_dir) / "indexes"
+    name = hashlib.sha256(url.encode("utf-8", "surrogateescape")).hexdigest()[:32]
+    data, meta_path = directory / f"{name}.data", directory / f"{name}.json"
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        lock = _flock(directory / f"{name}.lock", True)
+    except OSError as e:  # sharing is a saving, not a need: the cache reports its directory's faults itself
+        log.debug("fastfeed shard cache: %s cannot be shared through %s (%s); reading it alone", url, directory,
+                  remote.describe(e))  # fmt: skip
+        return fetch()
+    try:
+        meta = _read_meta(meta_path, url)
+        now = time.time()
+        if meta.get("fetched") is not None and 0 <= now - meta["fetched"] <= max_age_s:
+            with contextlib.suppress(FileNotFoundError):
+                with open(data, "rb") as f:  # under the lock: the copy the record describes
+                    return f.read(), meta["where"]
+        failed = meta.get("failed")
+        if failed is not None and failed >= began and meta.get("kind") in _SHARED_FAILURES:
+            raise _shared_failure(meta, now)
+        try:
+            raw, where = fetch()
+        except tuple(_SHARED_FAILURES.values()) as e:
+            kind = next(k for k, t in _SHARED_FAILURES.items() if isinstance(e, t))
+            record = {"url": url, "failed": time.time(), "kind": kind, "message": str(e)}
+            if isinstance(e, remote.RemoteError):
+                record.update(attempts=e.attempts, reason=e.reason, permanent=e.permanent)
+            with contextlib.suppress(OSError):  # the error to report is the store's, not this record's
+                write_atomic(meta_path, json.dumps(record))
+            raise
+        with contextlib.suppress(OSError):  # a copy that cannot be written (a full disk) only costs requests
+            write_atomic(data, raw)
+            write_atomic(meta_path, json.dumps({"url": url, "where": where, "fetched": time.time()}))
+        return raw, where
+    finally:
+        ShardCache._unlock(lock)
+
+
+def _read_meta(path: Path, url: str) -> dict:
+    """The record of ``url``'s copy; empty when there is none, or it is unreadable or another URL's."""
+    try:
+        meta = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(meta, dict) or meta.get("url") != url:
+        return {}
+    for key in ("fetched", "failed"):
+        if key in meta and not isinstance(meta[key], (int, float)):
+            return {}
+    if "fetched" in meta and not isinstance(meta.get("where"), str):
+        return {}
+    return meta
+
+
+def _shared_failure(meta: dict, now: float) -> OSError:
+    """The error another reader of this machine met reading the index, for a reader that waited for it."""
+    ago = max(0.0, now - meta["failed"])
+    message = f"{meta.get('message')} (met by another reader on this machine {ago:.0f} s ago)"
+    kind = _SHARED_FAILURES[meta["kind"]]
+    if kind is remote.RemoteError:
+        return remote.RemoteError(message, attempts=int(meta.get("attempts") or 1), reason=str(meta.get("reason", "")),
+                                  permanent=bool(meta.get("permanent")))  # fmt: skip
+    return kind(message)
+
+
 class ShardCache:
     """Local copies of whole shards, shared by every process on the machine that uses ``directory``.
 
@@ -88,7 +186,10 @@ class ShardCache:
         limit: bytes the directory may hold, counted across all processes (downloads in flight
             included); None: no bound.
         storage_options: passed to fsspec for remote shards (s3fs: ``{"client_kwargs": {"endpoint_url": ...}}``).
-        retries: further attempts after a failed, truncated or corrupt download, with exponential backoff.
+        retries: further attempts at most after a failed, truncated or corrupt download or size look-up (None: as
+            many as ``retry_budget`` allows), with the backoff of every request (``fastfeed.io.remote.retry``).
+        retry_budget: seconds after a request's first failure during which it is retried (None: the default,
+            ``fastfeed.io.remote.DEFAULT_RETRY_BUDGET_S``).
         timeout: seconds a connection may send nothing before the attempt fails (a read timeout, so a large
             download that is slow but moving is never cut).
         policy: ``"farthest"`` evicts the entry whose ``next_use`` is largest; ``"lru"`` the least recently used.
@@ -100,13 +201,12 @@ class ShardCache:
     so a negative value means "in use") is never evicted. Each process evicts by its own ``next_use``.
     """
 
-    def __init__(self, directory, limit: int | None, *, storage_options: dict | None = None, retries: int = 3,
-                 timeout: float = 60.0, policy: str = "farthest", threads: int = 4,
-                 wait_s: float = 60.0) -> None:  # fmt: skip
+    def __init__(self, directory, limit: int | None, *, storage_options: dict | None = None,
+                 retries: int | None = None, retry_budget: float | None = None, timeout: float = 60.0,
+                 policy: str = "farthest", threads: int = 4, wait_s: float = 60.0) -> None:  # fmt: skip
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
             raise ValueError(f"cache_bytes must be an int >= 0 (bytes the cache may hold) or None, got {limit!r}")
-        if not isinstance(retries, int) or retries < 0:
-            raise ValueError(f"retries must be an int >= 0 (further attempts after a failure), got {retries!r}")
+        remote.check_retry_args(retries, retry_budget, "fastfeed shard cache")
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         if policy not in POLICIES:
@@ -117,6 +217,7 @@ class ShardCache:
         self.limit = limit
         self.storage_options = storage_options
         self.retries = retries
+        self.retry_budget = retry_budget
         self.timeout = timeout
         self.policy = policy
         self.threads = threads
@@ -164,8 +265,8 @@ class ShardCache:
             self._ready = True
 
     def __getstate__(self) -> dict:
-        keep = ("directory", "limit", "storage_options", "retries", "timeout", "policy", "threads", "wait_s",
-                "_fetcher")  # fmt: skip
+        keep = ("directory", "limit", "storage_options", "retries", "retry_budget", "timeout", "policy", "threads",
+                "wait_s", "_fetcher")  # fmt: skip
         return {name: self.__dict__[name] for name in keep}
 
     def __setstate__(self, state: dict) -> None:
@@ -370,6 +471,7 @@ class ShardCache:
         flight now), ``peak_bytes`` (the most ``used_bytes`` has been), ``limit``."""
         self._process()
         with self._state() as state:
+            self._drop_stale_reservations(state, placed_only=True)
             live = self._sum_hits(state)
             counted = {**state["stats"], "hits": state["stats"]["hits"] + live}
             return {**{c: counted[c] for c in COUNTERS}, "used_bytes": _used(state),
@@ -499,7 +601,8 @@ class ShardCache:
 
         try:
             return remote.retry(ask, self.retries, what=f"the size of shard {url}", final=(Cancelled,),
-                                timeout=self.timeout, wait=self._pause(job.stop, url))  # fmt: skip
+                                timeout=self.timeout, wait=self._pause(job.stop, url), budget=self.retry_budget,
+                                url=url)  # fmt: skip
         except (FileNotFoundError, PermissionError, remote.RemoteError) as e:
             raise ShardError.gave_up(url, e, "asking its size") from e
 
@@ -614,10 +717,15 @@ class ShardCache:
         except FileNotFoundError:
             return -1  # gone behind the cache's back: its accounting is the first to go
 
-    def _drop_stale_reservations(self, state) -> None:
+    def _drop_stale_reservations(self, state, placed_only: bool = False) -> None:
         """Reservations of downloaders that died (their shard lock is free), with their temporary files; an entry
-        such a downloader renamed into place without recording it is accounted instead."""
+        such a downloader renamed into place without recording it is accounted instead, and counted as the
+        download it was: a reservation's shard has no entry until its downloader renames a whole, checked copy
+        into place (``_replace``). ``placed_only``: only the reservations beside such an entry (the stats count
+        every download; a dead downloader's room is taken back when room is needed)."""
         for key in list(state["reserved"]):
+            if placed_only and not os.path.exists(self._entry(int(key))):
+                continue
             fd = self._lock(int(key), block=False)
             if fd is not None:
                 try:
@@ -626,6 +734,8 @@ class ShardCache:
                     if key not in state["entries"]:
                         with contextlib.suppress(FileNotFoundError):
                             state["entries"][key] = os.stat(self._entry(int(key))).st_size
+                            state["stats"]["downloads"] += 1
+                            state["stats"]["downloaded_bytes"] += state["entries"][key]
                 finally:
                     self._unlock(fd)
 
@@ -666,23 +776,18 @@ class ShardCache:
         try:
             try:
                 tmp = remote.retry(attempt, self.retries, what=f"shard {url}", final=(Cancelled, ShardError),
-                                   timeout=self.timeout, wait=self._pause(job.stop, url))  # fmt: skip
+                                   timeout=self.timeout, wait=self._pause(job.stop, url), budget=self.retry_budget,
+                                   url=url)  # fmt: skip
             except (FileNotFoundError, PermissionError, remote.RemoteError) as e:
                 raise ShardError.gave_up(url, e, "download") from e
-            placed = self._place(k, url, tmp, want_fd)
+            placed = self._settle(job, size, place=lambda: self._place(k, url, tmp, want_fd))
         except BaseException:
             if not job.abandoned:  # close() settled an abandoned one's accounts
                 with contextlib.suppress(OSError):  # the first failure is the one to report
-                    self._settle(job, size, placed=False)
+                    self._settle(job, size)
             raise
         finally:
             job.tmp = None
-        try:
-            self._settle(job, size, placed=True)
-        except BaseException:
-            if placed[1] is not None:
-                os.close(placed[1])
-            raise
         return placed
 
     def _place(self, k: int, url: str, tmp: Path, want_fd: bool) -> tuple[str, int | None]:
@@ -705,18 +810,39 @@ class ShardCache:
                                   "was the cache directory removed or made read-only?") from e  # fmt: skip
         return str(entry), reader
 
-    def _settle(self, job, size: int, placed: bool) -> None:
-        """The download's reservation becomes its entry (``placed``) or is released; its bytes are counted."""
-        with self._state() as state:
-            state["reserved"].pop(str(job.k), None)
-            stats = state["stats"]
-            stats["downloaded_bytes"] += job.received
-            if placed:
-                state["entries"][str(job.k)] = size
-                stats["downloads"] += 1
+    def _settle(self, job, size: int, place: Callable[[], tuple[str, int | None]] | None = None):
+        """The download's reservation becomes its entry, put in place by ``place()`` (whose result is returned),
+        or is released (``place`` None); its bytes are counted.
+
+        The entry is renamed into place under the state lock that counts it, not before: readers use an entry the
+        moment it appears, without that lock, so one placed first could be read, its epoch end and the stats be
+        read before the download was counted (one short), or for good if this process exited meanwhile (a
+        loader's worker leaves by os._exit, under its predownload threads). Now whoever sees the entry and then
+        asks for the stats waits on this lock for the count; a process that dies between the rename and the
+        write leaves its reservation beside the entry, which the next look at the stats counts
+        (``_drop_stale_reservations``)."""
+        placed = None
+        try:
+            with self._state() as state:
+                if place is not None:
+                    placed = place()
+                state["reserved"].pop(str(job.k), None)
+                stats = state["stats"]
+                stats["downloaded_bytes"] += job.received
+                if placed is not None:
+                    state["entries"][str(job.k)] = size
+                    stats["downloads"] += 1
+        except BaseException:
+            if placed is not None:  # in place but not recorded (the state could not be written): not an entry
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(placed[0])
+                if placed[1] is not None:
+                    os.close(placed[1])
+            raise
         job.reserved, job.received = False, 0
         with self._room:
             self._room.notify_all()  # this process's readers waiting for room look again now
+        return placed
 
     def _abandon(self, job, deadline: float) -> None:
         """Take back what a download that close() could not stop holds (see close()). Its thread is blocked in a
@@ -736,7 +862,7 @@ class ShardCache:
                 job.received += os.fstat(job.tmp_fd).st_size
             if job.reserved:  # before the shard's lock goes: the next holder's reservation of k must not be popped
                 with contextlib.suppress(OSError):
-                    self._settle(job, 0, placed=False)
+                    self._settle(job, 0)
             job.revoke()
         finally:
             job.guard.release()

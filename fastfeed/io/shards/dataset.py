@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import shutil
 import stat
 import sys
 import tempfile
@@ -28,6 +29,7 @@ from typing import NamedTuple
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..._state import advance
+from ..._state_check import check_shards_state
 from .. import remote
 from . import order, topology
 from .errors import ShardError
@@ -39,6 +41,7 @@ STATE_VERSION = 2
 STATE_VERSIONS = (1, 2)
 DEFAULT_WINDOW = 8  # shards whose samples are shuffled together; also what must be local at once
 INDEX_NAME = "fastfeed-index.json"
+_LARGE_READ = 64 << 20  # a sample's read past which the file's size is asked first (a syscall the rest skip)
 _EPOCHS_LOCK = threading.Lock()  # Shards._epochs, which thread workers reach together
 
 
@@ -80,7 +83,8 @@ class Shards(IterableDataset):
         seed: the order's seed; the same on every rank.
         batch_size: samples per batch on each rank. ``fastfeed.DataLoader`` sets it from its own; with torch's
             ``DataLoader`` pass the loader's (a mismatch raises on the first batch).
-        cache_dir: where remote shards are kept (default: a directory of this user's under the temp directory).
+        cache_dir: where remote shards are kept (default: a directory of this user's under the temp directory),
+            and the copy of a remote index that this machine's readers share, so that a node reads it once.
         cache_bytes: the cache's bound, all processes of this machine together (None: unbounded). It must hold
             ``max(2 x shuffle_window, shuffle_window + predownload)`` of the largest shards: the window read, the
             window before it (workers behind may still read it) and the shards downloaded ahead.
@@ -96,11 +100,19 @@ class Shards(IterableDataset):
             as torch's loader gives).
         index: a ``ShardIndex`` or the path/URL of a saved one; None: ``fastfeed-index.json`` beside the shards,
             else built by reading every shard once (``fastfeed.io.index_shards`` saves one to skip that).
+        allow_outside_urls: read shards that a saved index names outside its own directory (``../``, an absolute
+            path, ``file://``, another host). False (default): such an index is refused, since an index is data
+            and must not send the reader elsewhere; pass True for an index you trust that names them on purpose.
         storage_options: passed to fsspec (s3fs's ``key``, ``secret``, ``client_kwargs={"endpoint_url": ...}``).
         rank, world_size: this process's place; None: torch.distributed's, else torchrun's RANK and WORLD_SIZE.
-        retries: further attempts after a request fails transiently: the listing, the index, the scan, size
-            look-ups and downloads (a 5xx such as S3's 503 SlowDown, 408, 429, a reset or refused connection, a
-            timeout), waiting 0.1 s, doubling up to 2 s; a missing shard (404) or denied access (403) fails at once.
+        retries: further attempts at most after a request fails transiently: the listing, the index, the scan,
+            size look-ups and downloads (a 5xx such as S3's 503 SlowDown, 408, 429, a reset or refused connection,
+            a timeout); None (default): as many as ``retry_budget`` allows. Each retry waits a random time up to a
+            bound doubling from 0.1 s to 5 s (full jitter), after the store's Retry-After when it sends one; a
+            missing shard (404) or denied access (403) fails at once.
+        retry_budget: seconds after a request's first failure during which it is retried; None (default): 120 s
+            (``fastfeed.io.remote.DEFAULT_RETRY_BUDGET_S``), enough for a job's start-up storm; ``math.inf``: no
+            limit. See "Starting a large job" in the Shards guide.
         timeout: seconds a request may send nothing before the attempt fails.
         cache_policy: ``"farthest"`` evicts the shard needed farthest ahead; ``"lru"`` the least recently used
             (for comparison: with data larger than the cache it downloads everything every epoch).
@@ -111,7 +123,8 @@ class Shards(IterableDataset):
                  shuffle_window: int = DEFAULT_WINDOW, drop_last: bool = False,
                  even_batches: bool | None = None, index=None,
                  storage_options: dict | None = None, rank: int | None = None, world_size: int | None = None,
-                 retries: int = 3, timeout: float = 60.0, cache_policy: str = "farthest") -> None:  # fmt: skip
+                 retries: int | None = None, retry_budget: float | None = None, timeout: float = 60.0,
+                 cache_policy: str = "farthest", allow_outside_urls: bool = False) -> None:  # fmt: skip
         from .index import ShardIndex
         from .sources import resolve
 
@@ -140,28 +153,38 @@ class Shards(IterableDataset):
         self.epoch = 0
         self._rank, self._world = rank, world_size
         topology.ranks(rank, world_size, None)  # bad values fail here, not in a worker
-        if isinstance(index, ShardIndex):
-            self.index = index
-        else:
-            urls = resolve(source, storage_options=self.storage_options, retries=retries, timeout=timeout)
-            self.index = _load_index(urls, index, self.storage_options, retries, timeout)
-        self.cache = None
-        if any(remote.is_url(u) for u in self.index.urls):
-            from .cache import ShardCache
+        remote.check_retry_args(retries, retry_budget, "fastfeed.io.Shards")
+        made = None  # the default cache directory, when this call made it
+        try:
+            if isinstance(index, ShardIndex):
+                self.index = index
+            else:
+                urls = resolve(source, storage_options=self.storage_options, retries=retries,
+                               retry_budget=retry_budget, timeout=timeout)  # fmt: skip
+                shared = None  # where this machine's readers share a remote index's one read
+                if any(map(remote.is_url, urls)) or (isinstance(index, str) and remote.is_url(index)):
+                    if cache_dir is None:
+                        cache_dir, made = _default_cache_dir()
+                    shared = cache_dir
+                self.index = _load_index(urls, index, self.storage_options, retries, timeout, retry_budget, shared,
+                                         allow_outside_urls=allow_outside_urls)  # fmt: skip
+            self.cache = None
+            if any(remote.is_url(u) for u in self.index.urls):
+                from .cache import ShardCache
 
-            _check_cache_bytes(cache_bytes, self.shuffle_window, self.predownload, self.index.sizes)
-            made = None
-            if cache_dir is None:
-                cache_dir, made = _default_cache_dir()
-            try:
+                _check_cache_bytes(cache_bytes, self.shuffle_window, self.predownload, self.index.sizes)
+                if cache_dir is None:
+                    cache_dir, made = _default_cache_dir()
                 self.cache = ShardCache.for_dataset(cache_dir, self.index.fingerprint, cache_bytes,
                                                     storage_options=self.storage_options, retries=retries,
-                                                    timeout=timeout, policy=cache_policy)  # fmt: skip
-            except BaseException:
-                if made is not None:  # a constructor that failed leaves nothing behind
-                    with contextlib.suppress(OSError):
-                        os.rmdir(made)
-                raise
+                                                    retry_budget=retry_budget, timeout=timeout,
+                                                    policy=cache_policy)  # fmt: skip
+        except BaseException:
+            if made is not None:  # a constructor that failed leaves nothing behind: the index's copy, the directory
+                shutil.rmtree(os.path.join(made, "indexes"), ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    os.rmdir(made)
+            raise
         # Loader set-up and resume (see _ff_loader_setup, load_state_dict).
         self._run = _Run()  # what fastfeed.DataLoader told, and where this epoch's iteration starts
         self._pending = None  # a loaded position, for the next iteration of its epoch
@@ -202,33 +225,13 @@ class Shards(IterableDataset):
         """Continue from ``state`` (``state_dict()``'s, or the ``"shards"`` part of a loader's) at the next
         iteration of its epoch. The order's seed, shuffle and window must match, and so must the global batch
         ``batch_size x world`` (checked when the iteration starts: then the batch size is known)."""
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ValueError(f"fastfeed.io.Shards.load_state_dict: not a Shards state ({type(state).__name__})")
-        if state.get("version") not in STATE_VERSIONS:
-            raise ValueError(f"fastfeed.io.Shards.load_state_dict: unknown state version {state.get('version')!r}; "
-                             f"this fastfeed reads versions {STATE_VERSIONS}")  # fmt: skip
-        if state["version"] > 1 and state.get("order") not in order.ORDERS:
-            raise ValueError(f"fastfeed.io.Shards.load_state_dict: the position is in shard order "
-                             f"{state.get('order')!r}, and this fastfeed makes orders {order.ORDERS}")  # fmt: skip
-        if state.get("rank") is not None:
-            rank, world = self._ranks()
-            if (state["rank"], state["world"]) != (rank, world):
-                raise ValueError(
-                    f"fastfeed.io.Shards.load_state_dict: this position was saved with in_order=False by rank "
-                    f"{state['rank']} of {state['world']}, and this is rank {rank} of {world}. Batches delivered out "
-                    f"of order are each rank's own, so it continues only on its own rank of a job of the same size: "
-                    f"load each rank's own state (torch.distributed.checkpoint saves every rank's), or save with "
-                    f"in_order=True to resume on another world size."
-                )
-        mine = self._identity()
-        for name, value in mine.items():
-            if state.get(name) != value:
-                raise ValueError(
-                    f"fastfeed.io.Shards.load_state_dict: the state was saved with {name}={state.get(name)!r} and this "
-                    f"dataset has {name}={value!r}; the order depends on it, so the position would not be the same. "
-                    f"Build Shards with the saved {name}."
-                )
-        self.epoch = int(state["epoch"])
+        # Checked whole before anything is taken from it: a position from a damaged or hostile checkpoint ends in a
+        # ValueError naming its field, never in a loop over a huge count or a bare KeyError (see _state_check).
+        batch_size = self.batch_size or self._run.batch
+        check_shards_state(state, self._identity(), self._ranks(), STATE_VERSIONS, order.ORDERS,
+                           None if batch_size is None else self._split(batch_size, rank=0).batches, batch_size,
+                           "fastfeed.io.Shards.load_state_dict")  # fmt: skip
+        self.epoch = state["epoch"]
         self._pending = dict(state)
 
     # -- the loader's side (fastfeed.DataLoader calls these; torch's does not need them) --------------------
@@ -347,8 +350,10 @@ class Shards(IterableDataset):
                             "DataLoader's), or use fastfeed.DataLoader, which tells it")  # fmt: skip
         return 1
 
-    def _split(self, batch_size: int) -> order.Split:
-        rank, world = self._ranks()
+    def _split(self, batch_size: int, rank: int | None = None) -> order.Split:
+        """This rank's split of the epoch (``rank``: another's; rank 0 has the most batches)."""
+        own, world = self._ranks()
+        rank = own if rank is None else rank
         drop_last = self.drop_last or self._run.drop_last
         pad = world > 1 if self.even_batches is None else self.even_batches
         return order.Split.of(self.index.n_samples, batch_size, rank, world, drop_last, pad)
@@ -392,11 +397,15 @@ class Shards(IterableDataset):
         ours = batch_size * world
         saved = state["global_batch"]
         if ours != saved:
-            sizes = ", ".join(f"{w} (batch_size={saved // w})" for w in range(1, saved + 1) if saved % w == 0)
+            # The first 16 world sizes up to 4096 that divide it: a global batch read from a checkpoint may be any
+            # size, and listing all its divisors could take as long as counting to it.
+            sizes = [f"{w} (batch_size={saved // w})" for w in range(1, min(saved, 4096) + 1) if saved % w == 0]
+            sizes = ", ".join(sizes[:16]) + (", ..." if len(sizes) > 16 else "")
             raise ValueError(
-                f"fastfeed.io.Shards: the state was saved with a global batch of {saved} samples (batch_size x "
-                f"world size, on {state['world']} ranks) and this run has {batch_size} x {world} = {ours}; "
-                f"the same global batches need the same global batch size. World sizes that keep it: {sizes}."
+                f"fastfeed.io.Shards: the state was saved with a global batch of {saved} samples "
+                f"(state['global_batch']: batch_size x world size, on {state['world']} ranks) and this run has "
+                f"{batch_size} x {world} = {ours}; the same global batches need the same global batch size. World "
+                f"sizes that keep it: {sizes}."
             )
 
     def __getstate__(self) -> dict:
@@ -498,7 +507,13 @@ class _Reader:
         url = self.index.urls[k]
         key = self.index.key(sample_id)
         try:
-            data = os.pread(self._fd(k), end - start, start)
+            fd = self._fd(k)
+            n = end - start
+            if n > _LARGE_READ:
+                # No more than the file holds: a local shard's size is the index's word only, and a range past the
+                # file's end must end in the error below, not in an allocation of what the index claims.
+                n = max(0, min(end, os.fstat(fd).st_size) - start)
+            data = os.pread(fd, n, start)
         except ShardError as e:
             raise e.with_key(key) from None
         except OSError as e:
@@ -553,17 +568,23 @@ def _check_cache_bytes(cache_bytes: int | None, window: int, predownload: int, s
         )
 
 
-def _load_index(urls: list[str], index, storage_options: dict, retries: int = 3, timeout: float = 60.0):
+def _load_index(urls: list[str], index, storage_options: dict, retries: int | None = None, timeout: float = 60.0,
+                retry_budget: float | None = None, cache_dir=None, *, allow_outside_urls: bool = False):  # fmt: skip
+    """The index of ``urls``: ``index`` (a path or URL), else the one beside them, else built by reading them.
+    ``cache_dir``: where this machine's readers share a remote index's read (``ShardIndex.load``)."""
     from .index import ShardIndex, index_shards
 
     if index is not None:
         return ShardIndex.load(os.fspath(index) if not isinstance(index, str) else index,
-                               storage_options=storage_options, retries=retries, timeout=timeout)  # fmt: skip
+                               storage_options=storage_options, retries=retries, retry_budget=retry_budget,
+                               timeout=timeout, cache_dir=cache_dir, allow_outside_urls=allow_outside_urls)  # fmt: skip
     beside = _beside(urls)
     if beside is not None:
         denied = False
         try:
-            found = ShardIndex.load(beside, storage_options=storage_options, retries=retries, timeout=timeout)
+            found = ShardIndex.load(beside, storage_options=storage_options, retries=retries,
+                                    retry_budget=retry_budget, timeout=timeout, cache_dir=cache_dir,
+                                    allow_outside_urls=allow_outside_urls)  # fmt: skip
         except FileNotFoundError:
             found = None
         except PermissionError:  # S3 answers 403, not 404, for a missing key when listing is not allowed
@@ -584,7 +605,8 @@ def _load_index(urls: list[str], index, storage_options: dict, retries: int = 3,
         why = f"the shards are in several directories, so no one {INDEX_NAME} is beside them"
     warnings.warn(f"fastfeed.io.Shards: {why}; reading all {len(urls)} to index them. fastfeed.io.index_shards("
                   "source, dest=True) saves an index beside them.", stacklevel=3)  # fmt: skip
-    return index_shards(urls, storage_options=storage_options, retries=retries, timeout=timeout)
+    return index_shards(urls, storage_options=storage_options, retries=retries, retry_budget=retry_budget,
+                        timeout=timeout)  # fmt: skip
 
 
 def _beside(urls: list[str]) -> str | None:

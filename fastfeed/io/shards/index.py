@@ -11,7 +11,8 @@ File format (``fastfeed-index.json`` beside the shards by default), JSON::
       "shards": [
         {
           "url": "shard-000000.tar",      # relative to the index file's directory when the shard is in it (or
-                                          # below it), so a shard set moves with its index; else absolute/URL
+                                          # below it), so a shard set moves with its index; else absolute/URL,
+                                          # which a reader refuses unless told (allow_outside_urls=True)
           "size": 1048576000,             # bytes of the whole shard file
           "crc32": 3735928559,            # zlib.crc32 of the whole shard file, unsigned
           "first": 0,                     # byte offset of the first sample's first header
@@ -26,6 +27,9 @@ A sample's range starts at its first member's first header (GNU long-name and pa
 the next sample's; the last one ends where the tar's end-of-archive blocks begin. Lengths rather than offsets keep
 the file small (a 100 KB sample's length is 6 digits, its offset in a 1 GB shard 10). Readers must reject a file
 whose "format" differs or whose "version" is greater than theirs.
+
+A reader treats the file as hostile input (``index_check``): every field is checked for its type and range before
+anything is allocated from it, and a url outside the index's directory is refused unless the caller opts in.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from .. import remote
-from . import sources
+from . import index_check, sources
 from .errors import ShardError
 from .tar import CHUNK, Scan
 
@@ -64,24 +68,6 @@ class Keys(NamedTuple):
     def join(cls, parts: Sequence[Keys]) -> Keys:
         return cls(b"".join(p.blob for p in parts),
                    np.concatenate([p.lengths for p in parts]) if parts else np.zeros(0, np.int64))  # fmt: skip
-
-
-def compact_shard(shard, strict: bool = False):
-    """A shard entry of the index's JSON with its per-sample lists made compact: ``lengths`` an int64 array and
-    ``keys`` ``Keys``. As ``json.loads``' object_hook it runs as each shard's entry is parsed, so that a large index
-    never holds every key as a Python str at once (a str is ~60 bytes; 100M keys would be 6 GB); anything else
-    passes through (``strict``: a shard entry whose lists are not a shard's raises TypeError)."""
-    if strict and not isinstance(shard, dict):
-        raise TypeError(f"a shard's entry must be an object, not {type(shard).__name__}")
-    if isinstance(shard, dict) and isinstance(shard.get("keys"), list) and isinstance(shard.get("lengths"), list):
-        try:
-            return dict(shard, lengths=np.asarray(shard["lengths"], dtype=np.int64), keys=Keys.of(shard["keys"]))
-        except (AttributeError, TypeError, ValueError):
-            if strict:
-                raise TypeError("a shard's keys must be strings and its lengths integers") from None
-    elif strict and not (isinstance(shard.get("keys"), Keys) and isinstance(shard.get("lengths"), np.ndarray)):
-        raise TypeError("a shard's keys and lengths must be lists")
-    return shard
 
 
 class ShardIndex:
@@ -228,28 +214,25 @@ class ShardIndex:
         return {"format": FORMAT, "version": VERSION, "shards": shards}
 
     @classmethod
-    def from_json(cls, doc: dict, base: str | None = None, where: str = "index") -> ShardIndex:
-        """Parse a JSON document; relative shard URLs are resolved against directory ``base``."""
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-            raise ValueError(f"{where}: not a fastfeed shard index (its \"format\" is not {FORMAT!r})")
-        version = doc.get("version")
-        if not isinstance(version, int) or version > VERSION:
-            raise ValueError(f"{where}: shard index version {version!r}; this fastfeed reads up to {VERSION}: "
-                             "upgrade fastfeed or rebuild the index with index_shards")  # fmt: skip
-        shards = []
-        try:
-            for s in doc["shards"]:
-                s = compact_shard(s, strict=True)
-                lengths = s["lengths"]
-                offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-                offsets[0] = s["first"]
-                np.cumsum(lengths, out=offsets[1:])
-                offsets[1:] += s["first"]
-                shards.append({"url": _absolute(s["url"], base), "size": s["size"], "crc32": s["crc32"],
-                               "keys": s["keys"], "offsets": offsets})  # fmt: skip
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{where}: damaged shard index ({type(e).__name__}: {e})") from None
-        return cls.from_shards(shards)
+    def from_json(cls, doc: dict, base: str | None = None, where: str = "index", *,
+                  allow_outside_urls: bool = False) -> ShardIndex:  # fmt: skip
+        """Parse a JSON document (as ``json.loads`` gives it); relative shard URLs are resolved against directory
+        ``base``. Every field is checked first (``index_check``); a shard URL outside ``base`` is refused unless
+        ``allow_outside_urls``. ValueError names ``where`` and the field."""
+        return cls._of(index_check.check(doc, None, base, where, allow_outside_urls))
+
+    @classmethod
+    def from_bytes(cls, raw, base: str | None = None, where: str = "index", *,
+                   allow_outside_urls: bool = False) -> ShardIndex:  # fmt: skip
+        """Parse an index file's bytes, as ``from_json`` does its document: nesting is bounded before the JSON is
+        parsed, and each shard's lists are made compact as it is (a large index never holds every key as a Python
+        str: ~60 bytes each, 6 GB for 100M keys)."""
+        doc, parsed = index_check.decode(raw, where)
+        return cls._of(index_check.check(doc, parsed, base, where, allow_outside_urls))
+
+    @classmethod
+    def _of(cls, c: index_check.Checked) -> ShardIndex:
+        return cls(c.urls, c.sizes, c.crcs, c.counts, c.offsets, Keys(c.key_blob, c.key_lengths))
 
     def save(self, dest: str, storage_options: dict | None = None) -> str:
         """Write the index as JSON to ``dest`` (a path or fsspec URL of the file, or of a directory to put
@@ -280,37 +263,61 @@ class ShardIndex:
         return dest
 
     @classmethod
-    def load(cls, src: str, storage_options: dict | None = None, *, retries: int = 3,
-             timeout: float = 60.0) -> ShardIndex:  # fmt: skip
+    def load(cls, src: str, storage_options: dict | None = None, *, retries: int | None = None,
+             retry_budget: float | None = None, timeout: float = 60.0, cache_dir=None,
+             allow_outside_urls: bool = False) -> ShardIndex:  # fmt: skip
         """Read an index file (a path or fsspec URL, or a directory holding ``fastfeed-index.json``).
 
         A remote read that fails transiently (a 503, a reset, a refused connection, a timeout: no byte for
-        ``timeout`` s) is tried ``retries`` more times with backoff (``fastfeed.io.remote.retry``); a missing file
-        raises FileNotFoundError at once, and a read that failed for good OSError naming the index and the cause.
+        ``timeout`` s) is retried with backoff for ``retry_budget`` seconds after its first failure (None: the
+        default, ``fastfeed.io.remote.DEFAULT_RETRY_BUDGET_S``), and at most ``retries`` times when given
+        (``fastfeed.io.remote.retry``); a missing file raises FileNotFoundError at once, and a read that failed for
+        good OSError naming the index and the cause.
+
+        ``cache_dir``: a directory this machine's readers share (``Shards``' cache directory): a remote index is
+        then asked of its store by one of them and read from there by the others (``cache.read_once``), so a
+        node's ranks make one request for it, not one each.
+
+        The file is checked as hostile input (see ``from_bytes``): ValueError names the index and the field. A
+        shard URL outside the index's directory (``../``, an absolute path, ``file://``, another host) is refused
+        unless ``allow_outside_urls``.
         """
         src = os.fspath(src)
         if remote.is_url(src):
-            with sources.opened(src, storage_options, timeout) as (fs, path):
-                where = [src]
+            remote.check_retry_args(retries, retry_budget, f"shard index {src}")
 
-                def read() -> bytes:
-                    at = path
-                    if src.endswith("/") or (_may_be_dir(fs, src) and fs.isdir(path)):
-                        where[0], at = src.rstrip("/") + "/" + FILENAME, path.rstrip("/") + "/" + FILENAME
-                    with fs.open(at, "rb") as f:
-                        return f.read()
+            def fetch() -> tuple[bytes, str]:
+                """(the index's bytes, where they were read), in one GET: fsspec's open() would first ask the size
+                (a HEAD), and so would s3fs's cat_file unless told to read in one request."""
+                with sources.opened(src, storage_options, timeout) as (fs, path):
+                    where = [src]
+                    one = {"max_concurrency": 1} if {"s3", "s3a"} & set(_protocols(fs)) else {}
 
-                try:
-                    raw = remote.retry(read, retries, what=f"shard index {src}", timeout=timeout)
-                except FileNotFoundError:
-                    raise FileNotFoundError(f"shard index {where[0]}: not found (build one with "
-                                            "fastfeed.io.index_shards)") from None  # fmt: skip
-                except PermissionError as e:
-                    raise PermissionError(f"shard index {where[0]}: access denied ({remote.describe(e)}); check "
-                                          "storage_options' credentials") from e  # fmt: skip
-                except remote.RemoteError as e:
-                    raise e.within(f"shard index {where[0]}: reading it") from e
-            src = where[0]
+                    def read() -> bytes:
+                        at = path
+                        if src.endswith("/") or (_may_be_dir(fs, src) and fs.isdir(path)):
+                            where[0], at = src.rstrip("/") + "/" + FILENAME, path.rstrip("/") + "/" + FILENAME
+                        return fs.cat_file(at, **one)
+
+                    try:
+                        raw = remote.retry(read, retries, what=f"shard index {src}", timeout=timeout,
+                                           budget=retry_budget, url=src)  # fmt: skip
+                    except FileNotFoundError:
+                        raise FileNotFoundError(f"shard index {where[0]}: not found (build one with "
+                                                "fastfeed.io.index_shards)") from None  # fmt: skip
+                    except PermissionError as e:
+                        raise PermissionError(f"shard index {where[0]}: access denied ({remote.describe(e)}); "
+                                              "check storage_options' credentials") from e  # fmt: skip
+                    except remote.RemoteError as e:
+                        raise e.within(f"shard index {where[0]}: reading it") from e
+                return raw, where[0]
+
+            if cache_dir is None:
+                raw, src = fetch()
+            else:
+                from .cache import read_once
+
+                raw, src = read_once(cache_dir, src, fetch)
         else:
             path = os.path.abspath(remote.local_path(src))
             if os.path.isdir(path):
@@ -322,15 +329,12 @@ class ShardIndex:
                     raw = f.read()
             except FileNotFoundError:
                 raise FileNotFoundError(f"shard index {src}: not found (build one with fastfeed.io.index_shards)")
-        try:
-            doc = json.loads(raw, object_hook=compact_shard)  # each shard's lists compacted as it is parsed
-        except ValueError as e:
-            raise ValueError(f"shard index {src}: not JSON ({e})") from None
-        return cls.from_json(doc, _dirname(src), where=f"shard index {src}")
+        return cls.from_bytes(raw, _dirname(src), where=f"shard index {src}", allow_outside_urls=allow_outside_urls)
 
 
 def index_shards(source, *, dest=None, storage_options: dict | None = None, num_threads: int = 8,
-                 progress: bool = False, retries: int = 3, timeout: float = 60.0) -> ShardIndex:  # fmt: skip
+                 progress: bool = False, retries: int | None = None, retry_budget: float | None = None,
+                 timeout: float = 60.0) -> ShardIndex:  # fmt: skip
     """Index a shard set: read each shard once, streaming, ``num_threads`` shards at a time.
 
     Args:
@@ -340,9 +344,12 @@ def index_shards(source, *, dest=None, storage_options: dict | None = None, num_
         storage_options: passed to fsspec for URLs.
         num_threads: shards read at once.
         progress: show a progress bar over shards (tqdm).
-        retries: further attempts at a listing or a shard's read that failed transiently (a 5xx such as S3's 503
-            SlowDown, a reset or refused connection, a timeout), with backoff (``fastfeed.io.remote.retry``); a
-            missing shard (404) fails at once.
+        retries: further attempts at most at a listing or a shard's read that failed transiently (a 5xx such as
+            S3's 503 SlowDown, a reset or refused connection, a timeout), with jittered backoff
+            (``fastfeed.io.remote.retry``); None: as many as ``retry_budget`` allows. A missing shard (404) fails
+            at once.
+        retry_budget: seconds a request keeps being tried after its first failure (None:
+            ``remote.DEFAULT_RETRY_BUDGET_S``), the same policy as ``Shards``'.
         timeout: seconds a request may send nothing before the attempt fails.
 
     Returns:
@@ -350,21 +357,20 @@ def index_shards(source, *, dest=None, storage_options: dict | None = None, num_
 
     Raises:
         ShardError: a shard is missing, short or damaged, repeats a key after other samples, or could not be read
-            in ``retries + 1`` attempts.
+            within the retry policy.
         OSError: listing the source failed every attempt.
     """
     if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
         raise ValueError(f"index_shards: num_threads must be an int >= 1, got {num_threads!r}")
-    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-        raise ValueError(f"index_shards: retries must be an int >= 0 (further attempts after a failure), "
-                         f"got {retries!r}")  # fmt: skip
+    remote.check_retry_args(retries, retry_budget, "index_shards")
     if not timeout > 0:
         raise ValueError(f"index_shards: timeout must be > 0 seconds, got {timeout!r}")
-    urls = sources.resolve(source, storage_options, retries=retries, timeout=timeout)
+    urls = sources.resolve(source, storage_options, retries=retries, retry_budget=retry_budget, timeout=timeout)
     fs_cache: dict = {}
 
     def one(url: str) -> dict:
-        return scan_shard(url, storage_options, fs_cache, retries=retries, timeout=timeout)
+        return scan_shard(url, storage_options, fs_cache, retries=retries, retry_budget=retry_budget,
+                          timeout=timeout)  # fmt: skip
 
     bar = _bar(progress, len(urls), "indexing shards", "shard")
     try:
@@ -387,10 +393,11 @@ def index_shards(source, *, dest=None, storage_options: dict | None = None, num_
     return index
 
 
-def scan_shard(url: str, storage_options: dict | None = None, fs_cache: dict | None = None, *, retries: int = 3,
-               timeout: float = 60.0) -> dict:  # fmt: skip
+def scan_shard(url: str, storage_options: dict | None = None, fs_cache: dict | None = None, *,
+               retries: int | None = None, retry_budget: float | None = None, timeout: float = 60.0) -> dict:  # fmt: skip
     """One shard's entry (``url``, ``size``, ``crc32``, ``keys``, ``offsets``), from one streaming read; a read
-    that fails transiently is started again from the shard's first byte, up to ``retries`` more times."""
+    that fails transiently is started again from the shard's first byte, within the retry policy of
+    ``remote.retry`` (``retries``, ``retry_budget``), paced by its store's rate."""
     fs = None
     if remote.is_url(url):
         fs_key = url.split("://", 1)[0]
@@ -418,7 +425,8 @@ def scan_shard(url: str, storage_options: dict | None = None, fs_cache: dict | N
 
     try:
         # ShardError: the bytes arrived and are not a valid shard; reading them again would not change that.
-        return remote.retry(scan, retries, what=f"shard {url}", final=(ShardError,), timeout=timeout)
+        return remote.retry(scan, retries, what=f"shard {url}", final=(ShardError,), timeout=timeout,
+                            budget=retry_budget, url=url if fs is not None else None)  # fmt: skip
     except (FileNotFoundError, PermissionError, remote.RemoteError) as e:
         raise ShardError.gave_up(url, e, "read", last_key[0]) from e
     except ShardError:
@@ -441,8 +449,9 @@ def _bar(progress: bool, total: int, desc: str, unit: str):
 
 
 def _may_be_dir(fs, url: str) -> bool:
-    """Whether asking if ``url`` is a directory is worth a request: not for a ``.json`` name, and never over HTTP,
-    where it would download the file to look for links in it."""
+    """Whether asking if ``url`` is a directory is worth a request: not for a ``.json`` name (the index beside a
+    shard set is one, so a start-up asks nothing but its GET), and never over HTTP, where it would download the
+    file to look for links in it."""
     return not url.endswith(".json") and not {"http", "https"} & set(_protocols(fs))
 
 
@@ -464,21 +473,15 @@ def _dirname(location: str) -> str:
 
 
 def _relative(url: str, base: str | None) -> str:
-    """``url`` relative to directory ``base`` when it is inside it, else as it is."""
+    """``url`` relative to directory ``base`` when it is inside it, else as it is. A local path and a ``file://``
+    URL are compared as the paths they name, so that every index fastfeed writes of shards beside it names them
+    relatively, as a reader accepts without ``allow_outside_urls``."""
     if base is None:
         return url
-    if _has_scheme(url) != _has_scheme(base):
-        return url
-    if _has_scheme(url):
+    if _has_scheme(url) and _has_scheme(base) and not (url.startswith("file://") or base.startswith("file://")):
         prefix = base.rstrip("/") + "/"
         return url[len(prefix) :] if url.startswith(prefix) else url
-    rel = os.path.relpath(url, base)
-    return url if rel.startswith(os.pardir) else rel.replace(os.sep, "/")
-
-
-def _absolute(url: str, base: str | None) -> str:
-    if _has_scheme(url) or base is None or os.path.isabs(url):
-        return url
-    if _has_scheme(base):
-        return base.rstrip("/") + "/" + url
-    return os.path.normpath(os.path.join(base, url))
+    if (_has_scheme(url) and not url.startswith("file://")) or (_has_scheme(base) and not base.startswith("file://")):
+        return url  # one local, one remote
+    rel = os.path.relpath(os.path.abspath(remote.local_path(url)), os.path.abspath(remote.local_path(base)))
+    return url if rel == os.curdir or rel.split(os.sep)[0] == os.pardir else rel.replace(os.sep, "/")

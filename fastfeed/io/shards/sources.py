@@ -27,14 +27,18 @@ _INT_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?$")
 _CHAR_RANGE = re.compile(r"^([A-Za-z])\.\.([A-Za-z])(?:\.\.(-?\d+))?$")
 
 
-def resolve(source, storage_options: dict | None = None, *, retries: int = 3, timeout: float = 60.0) -> list[str]:
+def resolve(source, storage_options: dict | None = None, *, retries: int | None = None,
+            retry_budget: float | None = None, timeout: float = 60.0) -> list[str]:  # fmt: skip
     """The shards ``source`` names, in order.
 
     Args:
         source: a list or tuple of paths or URLs (taken as given, in that order); a directory (local, or an fsspec
             URL of one: all its ``*.tar`` files, sorted by name); a brace pattern; a glob; or one path or URL.
         storage_options: passed to fsspec for URLs (``s3://`` credentials, ``endpoint_url`` in ``client_kwargs``).
-        retries: further attempts at a listing that failed transiently (``fastfeed.io.remote.retry``).
+        retries: further attempts at most at a listing that failed transiently (``fastfeed.io.remote.retry``);
+            None: as many as ``retry_budget`` allows.
+        retry_budget: seconds after a listing's first failure during which it is retried (None: the default,
+            ``fastfeed.io.remote.DEFAULT_RETRY_BUDGET_S``).
         timeout: seconds a listing request may send nothing before the attempt fails.
 
     Returns:
@@ -66,14 +70,15 @@ def resolve(source, storage_options: dict | None = None, *, retries: int = 3, ti
         for s in braceexpand(source):
             # A glob inside a pattern ("{train,val}/*.tar") is listed; a plain name is taken as given, unlisted.
             listed = _GLOB.search(s.split("://", 1)[-1])
-            out.extend(resolve(s, storage_options, retries=retries, timeout=timeout) if listed else [_absolute(s)])
+            out.extend(resolve(s, storage_options, retries=retries, retry_budget=retry_budget, timeout=timeout)
+                       if listed else [_absolute(s)])  # fmt: skip
         return out
     if is_url(source):
-        return _resolve_url(source, storage_options, retries, timeout)
+        return _resolve_url(source, storage_options, retries, retry_budget, timeout)
     if source != remote.local_path(source):
         # The local path's shards, spelled back as the source was: the index beside them names them so too.
         return ["file://" + p for p in resolve(remote.local_path(source), storage_options, retries=retries,
-                                               timeout=timeout)]  # fmt: skip
+                                               retry_budget=retry_budget, timeout=timeout)]  # fmt: skip
     if _GLOB.search(source):
         found = sorted(os.path.abspath(p) for p in globbing.glob(source) if os.path.isfile(p))
         if not found:
@@ -108,14 +113,15 @@ def opened(url: str, storage_options: dict | None = None, timeout: float | None 
 release = remote.close  # the name the shard modules (index, write) close their filesystems by
 
 
-def _resolve_url(source: str, storage_options: dict | None, retries: int, timeout: float) -> list[str]:
+def _resolve_url(source: str, storage_options: dict | None, retries: int | None, retry_budget: float | None,
+                 timeout: float) -> list[str]:  # fmt: skip
     """The listing of a URL, retried as a whole as reads are (a store shedding load answers a listing with 503
     too); errors name the source and what went wrong, a refused connection included."""
     with opened(source, storage_options, timeout) as (fs, path):
         try:
             # ValueError: the listing itself says there are no shards; another attempt would say it again.
             return remote.retry(lambda: _list_url(source, fs, path), retries, what=f"listing {source}",
-                                final=(ValueError,), timeout=timeout)  # fmt: skip
+                                final=(ValueError,), timeout=timeout, budget=retry_budget, url=source)  # fmt: skip
         except FileNotFoundError as e:
             raise FileNotFoundError(f"shard source {source!r}: no such file or directory") from e
         except PermissionError as e:
