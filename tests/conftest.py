@@ -47,11 +47,12 @@ def pytest_report_header(config):
 SLOW_MODULES = frozenset({
     "test_accelerate", "test_base_install", "test_bench_cli", "test_bench_ray", "test_bench_shards", "test_benchmarks",
     "test_dali", "test_dcp", "test_docs", "test_doctor", "test_doctor_html", "test_doctor_job", "test_doctor_launch",
-    "test_doctor_memory", "test_doctor_ray_cluster", "test_faults", "test_gpu_check", "test_no_targets",
-    "test_parity", "test_pinning", "test_ray", "test_ray_pool_gaps", "test_remote_storm", "test_resume_accelerate",
-    "test_resume_cases", "test_resume_lightning", "test_resume_out_of_order", "test_run", "test_sanitizers",
-    "test_share", "test_shards", "test_shards_index_hostile", "test_shards_order", "test_torchdata_states",
-    "test_tune", "test_tune_memory", "test_tune_ranks",
+    "test_doctor_memory", "test_doctor_ray_cluster", "test_faults", "test_gpu_check", "test_lifecycle",
+    "test_no_targets", "test_parity", "test_pinning", "test_properties", "test_ray", "test_ray_pool_gaps",
+    "test_remote_storm", "test_resume_accelerate", "test_resume_cases", "test_resume_lightning",
+    "test_resume_out_of_order", "test_run", "test_sanitizers", "test_share", "test_shards",
+    "test_shards_index_hostile", "test_shards_order", "test_state_fuzz", "test_torchdata_states", "test_tune",
+    "test_tune_memory", "test_tune_ranks",
 })  # fmt: skip
 
 
