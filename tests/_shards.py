@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 UNEQUAL = (7, 3, 12, 5, 9, 1, 8, 6, 10, 4)  # samples per shard: 65, no two neighbours alike
@@ -52,3 +53,17 @@ def interleave(per_rank: list[list[list[int]]]) -> list[int]:
     batches = len(per_rank[0])
     assert all(len(r) == batches for r in per_rank), [len(r) for r in per_rank]
     return [x for j in range(batches) for r in per_rank for x in r[j]]
+
+
+@pytest.fixture
+def memfs():
+    """fsspec's in-memory filesystem, emptied of what the test wrote (a module imports it by name to use it)."""
+    fsspec = pytest.importorskip("fsspec")
+    fs = fsspec.filesystem("memory")
+    before = set(fs.store)
+    yield fs
+    for k in set(fs.store) - before:
+        fs.store.pop(k, None)
+    for d in list(fs.pseudo_dirs):
+        if "fastfeed-test-" in d:
+            fs.pseudo_dirs.remove(d)

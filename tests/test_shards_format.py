@@ -15,6 +15,7 @@ import zlib
 import numpy as np
 import pytest
 
+from _shards import memfs  # noqa: F401 (a fixture, used by name)
 from fastfeed.io.shards import index as index_mod
 from fastfeed.io.shards import sources, tar
 from fastfeed.io.shards.errors import ShardError
@@ -61,20 +62,6 @@ def _tar_members(path) -> list[tuple[str, bytes]]:
 
 def _memory_url() -> str:
     return f"memory://fastfeed-test-{uuid.uuid4().hex}"
-
-
-@pytest.fixture
-def memfs():
-    """fsspec's in-memory filesystem, emptied of what the test wrote."""
-    fsspec = pytest.importorskip("fsspec")
-    fs = fsspec.filesystem("memory")
-    before = set(fs.store)
-    yield fs
-    for k in set(fs.store) - before:
-        fs.store.pop(k, None)
-    for d in list(fs.pseudo_dirs):
-        if "fastfeed-test-" in d:
-            fs.pseudo_dirs.remove(d)
 
 
 class Folder:

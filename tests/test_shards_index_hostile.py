@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import _index_hostile as hostile
+from _shards import memfs  # noqa: F401 (a fixture, used by name)
 from fastfeed.io import ShardError, ShardIndex, Shards, index_shards, write_shards
 from fastfeed.io.shards import index_check
 
@@ -29,17 +30,6 @@ def sets(tmp_path_factory):
     root = tmp_path_factory.mktemp("hostile")
     hostile.make_sets(str(root))
     return str(root)
-
-
-@pytest.fixture
-def memfs():
-    """fsspec's in-memory filesystem, emptied of what the test wrote."""
-    fsspec = pytest.importorskip("fsspec")
-    fs = fsspec.filesystem("memory")
-    before = set(fs.store)
-    yield fs
-    for k in set(fs.store) - before:
-        fs.store.pop(k, None)
 
 
 def _child(what: str, spec: dict, tmp_path, timeout: float):

@@ -265,14 +265,18 @@ class SharedDict(_Shared, Mapping):
     clear = _readonly("dict", "clear it")
 
 
-class _Items:
-    """A dict's items in order, each entry unpickled once (Mapping's view would look every key up again)."""
+class _View:
+    """A view over a shared dict's entries, in order."""
 
     def __init__(self, d: SharedDict):
         self._d = d
 
     def __len__(self):
         return len(self._d)
+
+
+class _Items(_View):
+    """A dict's items in order, each entry unpickled once (Mapping's view would look every key up again)."""
 
     def __iter__(self):
         d = self._d
@@ -284,13 +288,7 @@ class _Items:
         return key in self._d and self._d[key] == value
 
 
-class _Values:
-    def __init__(self, d: SharedDict):
-        self._d = d
-
-    def __len__(self):
-        return len(self._d)
-
+class _Values(_View):
     def __iter__(self):
         d = self._d
         for i in range(len(d)):
