@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -96,6 +97,17 @@ def _ray(timeout_s: float = RAY_PROBE_S) -> dict:
         return {"version": version, "cluster": answer["cluster"], "status": f"running at {where}"}
     why = answer.get("error") or (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
     return {"version": version, "cluster": None, "status": f"no cluster connected at {where} ({why})"}
+
+
+def _ray_started() -> bool:
+    """Whether ``ray start --head`` ran on this machine and its head still runs: the address file it leaves
+    (``ray_current_cluster`` in Ray's temp directory) and a gcs_server process. A cluster a process starts for
+    itself (``ray.init()`` without an address, a test's ``ray.cluster_utils.Cluster``) leaves no such file, and
+    ends with that process: advice that joins it would lose its actors when it goes."""
+    base = os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()
+    if not os.path.isfile(os.path.join(base, "ray", "ray_current_cluster")):
+        return False
+    return _gcs_running()
 
 
 def _gcs_running() -> bool:

@@ -446,6 +446,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         # or hostile one ends in a ValueError naming its field (see _state_check).
         _state_check.check_loader_state(state_dict, self, what, STATE_VERSIONS, translated, root)
         state = _state.decode(state_dict)
+        tuning_auto.resumed(self)  # before _fit_workers, which leaves a state alone while a tuner runs
         if state.get("shards") is not None:  # (the check made sure the dataset is one that keeps it)
             self.dataset.load_state_dict(state["shards"])  # the dataset checks its order and global batch
         else:

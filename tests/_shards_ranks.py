@@ -2,8 +2,11 @@
 with fewer batches would leave the others waiting), and writes what it saw as JSON.
 
     torchrun --nproc-per-node W tests/_shards_ranks.py DIR GLOBAL_BATCH OUT [--stop-after K] [--resume STATE]
+        [--also-workers N]
 
 ``--stop-after K``: save ``loader.state_dict()`` after K batches (rank 0 writes it to OUT.state.json) and stop.
+``--also-workers N``: then a fresh loader with N workers iterates the first epoch again, all-reducing as well (the
+report's "also"): one launch checks two worker counts, as a rank's interpreter and process group start once.
 """
 
 import argparse
@@ -32,6 +35,7 @@ def main() -> None:
     p.add_argument("--resume")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--also-workers", type=int)
     a = p.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -56,8 +60,17 @@ def main() -> None:
         seen.append(batches)
         if state is not None:
             break
+    also = None
+    if a.also_workers is not None:
+        again = Shards(a.directory, decode=_shards.as_tensor, shuffle=True, seed=11, shuffle_window=3)
+        again.set_epoch(first_epoch)
+        also = []
+        for batch in DataLoader(again, batch_size=a.global_batch // world, num_workers=a.also_workers):
+            also.append(batch.tolist())
+            dist.all_reduce(torch.tensor([len(batch)]))
     with open(f"{a.out}.{rank}.json", "w") as f:
-        json.dump({"rank": rank, "world": world, "len": len(loader), "samples": len(ds), "epochs": seen}, f)
+        json.dump({"rank": rank, "world": world, "len": len(loader), "samples": len(ds), "epochs": seen,
+                   "also": also}, f)  # fmt: skip
     if state is not None and rank == 0:
         with open(f"{a.out}.state.json", "w") as f:
             json.dump(state, f)

@@ -42,6 +42,24 @@ def bench(tmp_path, *args, check=True):
     return proc
 
 
+def bench_here(tmp_path, monkeypatch, capsys, *args) -> tuple[int, str, str]:
+    """``fastfeed bench ARGS`` in this process, from ``tmp_path`` (as ``python -m fastfeed`` runs it: its exit status
+    is main's return): its status, stdout and stderr. For the commands that run no loader, which would otherwise
+    spend seconds importing torch in a fresh interpreter to say one line."""
+    from fastfeed import cli
+
+    (tmp_path / "mydata.py").write_text(MYDATA)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))  # restored after the test: bench adds the working directory itself
+    capsys.readouterr()
+    try:
+        code = cli.main(["bench", *args])
+    finally:
+        sys.modules.pop("mydata", None)  # the next test's mydata.py is another file
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def saved(tmp_path) -> dict:
     (path,) = (tmp_path / "out").glob("bench-*.json")
     return report.load(path)
@@ -77,15 +95,15 @@ def test_a_users_dataloader_keeps_its_arguments_and_a_step_reports_stalls(tmp_pa
     assert stall["candidate"] is not None and stall["baseline"] is not None
 
 
-def test_bad_input_is_named(tmp_path):
+def test_bad_input_is_named(tmp_path, monkeypatch, capsys):
     """An unknown loader, a bad worker count, a missing attribute and a non-dataset each get a clear error."""
     for args, message in [(["overhead", "--loaders", "torch,jax"], "unknown ['jax']"),
                           (["overhead", "--num-workers", "two"], "'two' is neither a count"),
                           (["mydata:nothing"], "has no attribute 'nothing'"),
                           (["mydata"], "a dataset is given as module:attr"),
                           (["overhead", "--num-workers", "auto"], "auto is for your own dataset")]:  # fmt: skip
-        proc = bench(tmp_path, *args, check=False)
-        assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr[-2000:])
+        code, _, err = bench_here(tmp_path, monkeypatch, capsys, *args)
+        assert code == 2 and message in err, (args, err[-2000:])
 
 
 def _report(throughput: float, cpu: float) -> dict:
@@ -98,14 +116,14 @@ def _report(throughput: float, cpu: float) -> dict:
 
 
 @pytest.mark.parametrize("throughput,cpu,code", [(2.0, 0.5, 0), (1.5, 0.5, 1), (2.0, 0.7, 1), (2.1, 0.45, 0)])
-def test_compare_exits_nonzero_on_a_regression(tmp_path, throughput, cpu, code):
+def test_compare_exits_nonzero_on_a_regression(tmp_path, monkeypatch, capsys, throughput, cpu, code):
     """--compare: throughput down or CPU up by more than 10% is a regression (exit 1); within it, exit 0."""
     old, new = tmp_path / "old.json", tmp_path / "new.json"
     old.write_text(json.dumps(_report(2.0, 0.5)))
     new.write_text(json.dumps(_report(throughput, cpu)))
-    proc = bench(tmp_path, "--compare", str(old), str(new), check=False)
-    assert proc.returncode == code, proc.stdout + proc.stderr
-    assert ("REGRESSION" in proc.stdout) == bool(code)
+    status, out, err = bench_here(tmp_path, monkeypatch, capsys, "--compare", str(old), str(new))
+    assert status == code, out + err
+    assert ("REGRESSION" in out) == bool(code)
 
 
 BLOCK = re.compile(r"<!-- fastfeed bench --from (\S+) --markdown ?([^>]*?) -->\n(.*?)\n<!-- end -->", re.S)
@@ -136,7 +154,8 @@ def test_readme_tables_come_from_the_committed_reports():
 
 
 def test_markdown_of_a_saved_report(tmp_path):
-    """--from REPORT --markdown prints the tables again without running anything."""
+    """--from REPORT --markdown prints the tables again without running anything (as a user runs it: a command of
+    its own)."""
     path = tmp_path / "r.json"
     path.write_text(json.dumps(_report(2.0, 0.5)))
     proc = bench(tmp_path, "--from", str(path), "--markdown")

@@ -83,8 +83,11 @@ def check_epochs(result: dict, n: int) -> None:
 
 
 def test_transport(tmp_path, bench_env):
-    """transport.py by default runs epochs of two lengths (60 and 300; --quick shortens them to 6 and 12)."""
-    result = run_quick("transport", tmp_path, bench_env)
+    """transport.py by default runs epochs of two lengths (60 and 300; --quick shortens them to 6 and 12).
+
+    One round, and --batches 1: the fewest timed epochs a trial runs (2, for the hot time to first batch's median);
+    the records, summary and targets are the same at any size."""
+    result = run_quick("transport", tmp_path, bench_env, "--rounds", "1", "--batches", "1")
     summary = result["summary"]
     assert set(summary) == {f"transport nw=2{vs} epochs of {n}" for vs in ("", " vs torch nw=0") for n in (6, 12)}
     for n in (6, 12):
@@ -105,7 +108,8 @@ def test_transport(tmp_path, bench_env):
 
 def test_transport_steady_state(tmp_path, bench_env):
     """--epoch-batches 0 runs the steady state: one iterator, the 0.9x target against torch at nw=0, no ttfb_hot."""
-    result = run_quick("transport", tmp_path, bench_env, "--epoch-batches", "0", "--pool-items", "64")
+    result = run_quick("transport", tmp_path, bench_env, "--epoch-batches", "0", "--pool-items", "64", "--rounds", "1",
+                       "--batches", "5")  # fmt: skip
     summary = result["summary"]
     assert set(summary) == {"transport nw=2", "transport nw=2 vs torch nw=0"}
     assert target_of(result, "transport nw=2 vs torch nw=0", "throughput") == ">= 0.9x"
@@ -133,8 +137,9 @@ def test_pool_items_follow_llc(tmp_path):
 
 
 def test_overhead(tmp_path, bench_env):
-    """overhead.py compares candidate and torch at nw=0, 1 and 2 in batches/s."""
-    result = run_quick("overhead", tmp_path, bench_env)
+    """overhead.py compares candidate and torch at nw=0, 1 and 2 in batches/s (one round of 20 timed batches: the
+    harness runs the same as --quick's 2 of 200)."""
+    result = run_quick("overhead", tmp_path, bench_env, "--rounds", "1", "--batches", "20")
     assert set(result["summary"]) == {"overhead nw=0", "overhead nw=1", "overhead nw=2"}
     assert all(figs["throughput"]["unit"] == "batch/s" for figs in result["summary"].values())
 
@@ -143,8 +148,8 @@ def test_overhead(tmp_path, bench_env):
 def test_overhead_stats(tmp_path, bench_env):
     """overhead.py --stats compares fastfeed with its measurement layer against FASTFEED_STATS=0."""
     proc = subprocess.run([sys.executable, str(BENCH / "overhead.py"), "--quick", "--stats", "--num-workers", "1",
-                           "--out", str(tmp_path)], cwd=REPO, env=bench_env, capture_output=True, text=True,
-                          timeout=180)  # fmt: skip
+                           "--rounds", "1", "--batches", "20", "--out", str(tmp_path)], cwd=REPO, env=bench_env,
+                          capture_output=True, text=True, timeout=180)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "fastfeed/fastfeed-nostats throughput" in proc.stdout
     (json_path,) = tmp_path.glob("overhead-stats-*.json")
@@ -179,10 +184,11 @@ def test_tune_benchmark(tmp_path, bench_env):
 @pytest.mark.fastfeed_only
 @pytest.mark.hang_limit(300)
 def test_doctor_benchmark(bench_env):
-    """doctor.py --quick measures the doctor's overhead on two loops and the demo's end-to-end time, with its
-    targets (a developer's script, under benchmarks/)."""
-    proc = subprocess.run([sys.executable, str(BENCH / "doctor.py"), "--quick"], cwd=REPO, env=bench_env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    """doctor.py measures the doctor's overhead on two loops and the demo's end-to-end time, with its targets (a
+    developer's script, under benchmarks/). One round of 30 batches (--quick's is 2 of 100): the loops, their table
+    rows and the demo's diagnosis run the same at any size."""
+    proc = subprocess.run([sys.executable, str(BENCH / "doctor.py"), "--rounds", "1", "--batches", "30"], cwd=REPO,
+                          env=bench_env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for row in ("overhead, step loop", "overhead, input loop", "fastfeed doctor --demo, end to end"):
         assert row in proc.stdout
@@ -199,8 +205,9 @@ def test_io_benchmark(bench_env):
 
 
 def test_startup(tmp_path, bench_env):
-    """startup.py reports time to first batch of epochs 1 and 2+, and peak PSS; targets.py has their targets."""
-    result = run_quick("startup", tmp_path, bench_env)
+    """startup.py reports time to first batch of epochs 1 and 2+, and peak PSS; targets.py has their targets (one
+    round: its figures are the same for any number)."""
+    result = run_quick("startup", tmp_path, bench_env, "--rounds", "1")
     key = "startup nw=2 epochs of 10"
     figures = result["summary"][key]
     assert target_of(result, key, "ttfb") == "<= 1.0x" and target_of(result, key, "peak_pss") == "<= 1.0x"
@@ -216,7 +223,7 @@ def test_with_accelerate(tmp_path, bench_env):
     with and without use_stateful_dataloader, in epochs."""
     pytest.importorskip("accelerate")
     pytest.importorskip("torchdata")
-    result = run_quick("with_accelerate", tmp_path, bench_env)
+    result = run_quick("with_accelerate", tmp_path, bench_env, "--rounds", "1", "--mem-batches", "2")
     sides = ("", " accelerate", " accelerate/candidate")
     assert set(result["summary"]) == {f"transport prepare{s} nw=2{v}" for s in ("", ", stateful") for v in sides}
     assert result["params"]["baseline_class"].endswith("torch_prepared")
@@ -224,9 +231,15 @@ def test_with_accelerate(tmp_path, bench_env):
 
 
 def test_startup_spawn(tmp_path, bench_env):
-    """The workloads' datasets pickle, so both loaders start workers under spawn."""
-    result = run_quick("startup", tmp_path, bench_env, "--rounds", "1", "--mp-context", "spawn")
+    """The workloads' datasets pickle, so both loaders start workers under spawn.
+
+    One worker, one iterator (--epoch-batches 0): every spawned worker imports torch afresh (seconds of CPU each),
+    and in epochs of persistent_workers=False each epoch would start them again, to prove nothing more."""
+    result = run_quick("startup", tmp_path, bench_env, "--rounds", "1", "--mp-context", "spawn", "--num-workers", "1",
+                       "--epoch-batches", "0")  # fmt: skip
     assert result["params"]["mp_context"] == "spawn" and result["params"]["rounds"] == 1
+    assert set(result["summary"]) == {"startup nw=1"}
+    assert all(r["num_workers"] == 1 and r["peak_procs"] >= 2 for r in result["rounds"])  # a worker was running
 
 
 def _dali_importable() -> bool:
@@ -238,7 +251,8 @@ def test_jpeg(tmp_path, bench_env):
     """jpeg.py runs fastfeed's worker processes, worker threads and DALI pipeline against torch's processes in the
     same rounds (the DALI side only where NVIDIA DALI is installed)."""
     pytest.importorskip("PIL")
-    result = run_quick("jpeg", tmp_path, bench_env)
+    # Two rounds, each side first in one; 1 + 2 + 1 batches a trial (--quick's 2 + 8 + 3): every batch decodes 64 JPEGs.
+    result = run_quick("jpeg", tmp_path, bench_env, "--warmup", "1", "--batches", "2", "--mem-batches", "1")
     summary, rounds = result["summary"], result["params"]["rounds"]
     if result["params"]["candidate"] == "torch*":  # no worker_type, not fastfeed: the two process sides only
         assert set(summary) == {"jpeg nw=2"}
@@ -313,8 +327,10 @@ def _window(ref, crop):
 
 
 def test_prefetch(tmp_path, bench_env):
-    """prefetch.py compares at each num_workers and prefetch_factor, in batches/s; the target is 0.97x each."""
-    result = run_quick("prefetch", tmp_path, bench_env, "--num-workers", "1", "3", "--prefetch-factors", "1", "4")
+    """prefetch.py compares at each num_workers and prefetch_factor, in batches/s; the target is 0.97x each (one
+    round)."""
+    result = run_quick("prefetch", tmp_path, bench_env, "--num-workers", "1", "3", "--prefetch-factors", "1", "4",
+                       "--rounds", "1")  # fmt: skip
     summary = result["summary"]
     assert set(summary) == {f"prefetch nw={nw} pf={pf}" for nw in (1, 3) for pf in (1, 4)}
     for key, figures in summary.items():
@@ -330,9 +346,11 @@ def test_demo(tmp_path, bench_env):
     """demo.py runs the transport and overhead questions, prints one table row of figures per comparison (no
     target), runs a torch script unchanged and under `fastfeed run` (which replaces its loader and leaves nothing
     behind), and ends with the doctor's verdict on its built-in scenario. One round of the comparisons (--quick's
-    is 2): the table, figures and files are the same for any number of rounds."""
-    proc = subprocess.run([sys.executable, str(BENCH / "demo.py"), "--quick", "--rounds", "1", "--out", str(tmp_path)],
-                          cwd=REPO, env=bench_env, capture_output=True, text=True, timeout=300)
+    is 2) of 5 timed batches (--quick's: 20 for transport, 200 for overhead): the table, figures and files are the
+    same for any size."""
+    proc = subprocess.run([sys.executable, str(BENCH / "demo.py"), "--quick", "--rounds", "1", "--warmup", "2",
+                           "--batches", "5", "--mem-batches", "2", "--out", str(tmp_path)],
+                          cwd=REPO, env=bench_env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(next(tmp_path.glob("demo-*.json")).read_text())
     assert len(result["summary"]) == 5 and result["params"]["rounds"] == 1

@@ -247,12 +247,21 @@ def test_watch_reports_save_html(tmp_path):
     assert "html" not in report.save(tmp_path / "plain", plot=False, trace=False)  # opt-in
 
 
-def test_the_cli_writes_report_html_in_the_current_directory_without_out(tmp_path):
-    cmd = [sys.executable, "-m", "fastfeed", "doctor", "--steps", "20", "--no-whatif", "--html", "--demo"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+@pytest.fixture(scope="module")
+def demo_page(tmp_path_factory):
+    """``fastfeed doctor --html`` on the demo, without --out, in a directory of its own: once for the test of what
+    it writes there and the test that renders the page (the page is the same one --out writes: ``write_page`` of
+    the report's ``html()``). Returns the finished process and the directory."""
+    where = tmp_path_factory.mktemp("demo-page")
+    cmd = [sys.executable, "-m", "fastfeed", "doctor", "--steps", "30", "--no-whatif", "--html", "--demo"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=where), where
+
+
+def test_the_cli_writes_report_html_in_the_current_directory_without_out(demo_page):
+    proc, where = demo_page
     assert proc.returncode == 0, proc.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html"]
-    page = (tmp_path / "report.html").read_text()
+    assert sorted(p.name for p in where.iterdir()) == ["report.html"]
+    page = (where / "report.html").read_text()
     assert _Page(page).text["verdict"] == proc.stdout.splitlines()[0]
     assert "html: report.html" in proc.stderr
 
@@ -292,16 +301,13 @@ def assert_rendered(dom: str, log: str, png: bytes, verdict: str, lanes: list[st
 
 
 @needs_chromium
-def test_the_demos_page_renders_in_a_browser(tmp_path):
-    out = tmp_path / "report"
-    cmd = [sys.executable, "-m", "fastfeed", "doctor", "--steps", "30", "--no-whatif", "--html", "--out", str(out),
-           "--demo"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+def test_the_demos_page_renders_in_a_browser(demo_page, tmp_path):
+    proc, where = demo_page
     assert proc.returncode == 0, proc.stderr
     verdict = proc.stdout.splitlines()[0]
-    page = (out / "report.html").read_text()
+    page = (where / "report.html").read_text()
     assert_self_contained(page)
-    dom, log, png = render(out / "report.html", tmp_path)
+    dom, log, png = render(where / "report.html", tmp_path)
     assert_rendered(dom, log, png, verdict, ["loader-0", "worker 0"])
     assert "The six questions" in dom and "What-if runs" in dom
 

@@ -2,8 +2,10 @@
 recorded ones.
 
 Each scenario runs ``tests/_ddp_train.py``, a plain DDP script on torch's DataLoader with DistributedSampler, as
-a user would run it: ``fastfeed doctor --nproc-per-node 2``, ``torchrun -m fastfeed doctor``, and two launchers for
-two nodes on loopback. Each asserts the job's verdict, its stragglers and every rank's shares.
+a user would run it, under one of ``fastfeed doctor --nproc-per-node 2``, ``torchrun -m fastfeed doctor`` and two
+launchers for two nodes on loopback (each mode in at least one scenario: ``JOBS``). Each asserts the job's verdict,
+its stragglers and every rank's shares, skipped, naming the load, where the verdict needs idle cores that other
+processes held (``_load``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import html
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -22,16 +25,22 @@ import pytest
 from fastfeed.doctor.jobverdict import judge
 from fastfeed.doctor.ranks import RankRecord, split
 
+from _load import OthersLoad, skip_unless_idle
 from _timelines import make
-from test_doctor import OthersLoad, skip_unless_idle
 
 SCRIPT = str(Path(__file__).with_name("_ddp_train.py"))
 STEPS = 40
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 # rank 1's one worker spins a core, and input/workers (rather than input/cpu) needs half a core more free; the
-# closing launch's two workers on rank 1 need both cores but a quarter of one (test_doctor's budget)
+# closing launch's two workers on rank 1 need both cores but a quarter of one (test_doctor's budget); in "compute"
+# both ranks spin a core in their steps, and their workers' batches wait for a core (input/cpu) when others hold one
 IDLE_CORES = 1.75
+# A job takes 8 to 17 s on 2 idle cores and many times that on busy ones: a guard against hangs, not a time limit,
+# of two and a half minutes a launch, which tests/conftest.py stretches with the machine's load (up to 4x). A job's
+# own timeout is the backstop past the most it stretches to.
+JOB_HANG_S = 150
+JOB_TIMEOUT_S = 4 * JOB_HANG_S + 30
 
 SCENARIOS = {
     # rank 1's samples cost 16x rank 0's, one worker each: rank 1 is input-bound, rank 0 waits in the all-reduce
@@ -57,8 +66,22 @@ def _doctor(*args: str) -> list[str]:
     return [sys.executable, "-m", "fastfeed", "doctor", *args]
 
 
+def _end(proc: subprocess.Popen) -> None:
+    """End a launcher cut short (its timeout, or the test's hang guard) with its ranks: torch's elastic agent puts
+    each rank in a session of its own and ends them on SIGTERM, which it needs the time to do; SIGKILL for what is
+    left of the launcher's session after that."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+
+
 def run_job(mode: str, scenario: list[str], out: Path, steps: int = STEPS, whatif: bool = False,
-            timeout: float = 150) -> dict:  # fmt: skip
+            timeout: float = JOB_TIMEOUT_S) -> dict:  # fmt: skip
     """The job's report.json, from ``mode``: launch (fastfeed's launcher), torchrun, or two_nodes."""
     opts = ["--steps", str(steps), "--out", str(out), "--html", *([] if whatif else ["--no-whatif"])]
     if mode == "launch":
@@ -70,29 +93,40 @@ def run_job(mode: str, scenario: list[str], out: Path, steps: int = STEPS, whati
         endpoint = f"127.0.0.1:{_port()}"
         runs = [_doctor("--nproc-per-node", "1", "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint",
                         endpoint, *opts, SCRIPT, *scenario) for node in (1, 0)]  # fmt: skip
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
-             for cmd in runs]  # fmt: skip
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+                              start_new_session=True) for cmd in runs]  # fmt: skip
     try:
         outputs = [p.communicate(timeout=timeout)[0] for p in reversed(procs)]
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            _end(p)
     assert all(p.returncode == 0 for p in procs), "\n---\n".join(outputs)[-6000:]
     if mode == "two_nodes":
         assert "node 1's ranks are measured; node 0 reports on the job" in outputs[-1], outputs[-1][-3000:]
     return json.loads((out / "report.json").read_text())
 
 
+def check_report(d: dict) -> None:
+    """What holds of any job's report, whatever the load: a rank each, shares that add up, and question 5 (the
+    measured sync of the rank the job's verdict is about, its slowest, which it names)."""
+    job, ranks = d["job"], d["ranks"]
+    shares = {r["rank"]: r["shares"] for r in ranks}
+    said = f"{job['verdict']['line']} | " + " | ".join(f"{r}: {s}" for r, s in shares.items())
+    assert [r["rank"] for r in ranks] == [0, 1], said
+    for s in shares.values():
+        assert sum(s.values()) == pytest.approx(1.0), said
+    about = d["questions_rank"]
+    assert about == job["about"] and (not job["stragglers"] or about in job["stragglers"]), said
+    q5 = d["questions"][4]
+    assert q5["value"] == pytest.approx(shares[about]["sync"], abs=0.02) and "not distributed" not in q5["how"], q5
+
+
 def check(name: str, d: dict) -> None:
+    """The scenario's verdict, stragglers and every rank's shares."""
     job, ranks = d["job"], d["ranks"]
     verdict = job["verdict"]
     shares = {r["rank"]: r["shares"] for r in ranks}
     said = f"{name}: {verdict['line']} | " + " | ".join(f"{r}: {s}" for r, s in shares.items())
-    assert [r["rank"] for r in ranks] == [0, 1], said
-    for s in shares.values():
-        assert sum(s.values()) == pytest.approx(1.0), said
     if name == "one slow rank":
         assert (verdict["bottleneck"], verdict["cause"], job["stragglers"]) == ("input", "workers", [1]), said
         assert shares[1]["input"] > 0.5 and shares[0]["sync"] > 0.5 and shares[0]["input"] < 0.2, said
@@ -112,11 +146,6 @@ def check(name: str, d: dict) -> None:
         # rank 0 in one run here), so each rank's sync is held to a floor that a 0% read (DDP's all-reduce inside
         # backward, missed) cannot reach, and the job's verdict above says which dominates.
         assert all(s["sync"] > 0.3 and s["input"] < 0.10 for s in shares.values()), said
-    # question 5 is the measured sync of the rank the job's verdict is about (its slowest), which names it
-    about = d["questions_rank"]
-    assert about == job["about"] and (not job["stragglers"] or about in job["stragglers"]), said
-    q5 = d["questions"][4]
-    assert q5["value"] == pytest.approx(shares[about]["sync"], abs=0.02) and "not distributed" not in q5["how"], q5
 
 
 def check_text(out: Path, d: dict) -> None:
@@ -133,31 +162,46 @@ def check_text(out: Path, d: dict) -> None:
     assert [lane["key"] for lane in data["tracks"][0]["lanes"]] == ["rank-0", "rank-1"]
 
 
-# Every scenario under every launcher, but "one slow rank" under fastfeed's launcher: the closing launch's test below
-# is that job (more steps, then the closing launch), and checks its verdict, shares and report.txt the same way.
-JOBS = [(mode, name) for mode in ("launch", "torchrun", "two_nodes") for name in SCENARIOS
-        if (mode, name) != ("launch", "one slow rank")]  # fmt: skip
+# Each scenario under one launch mode and each mode in at least one scenario, not every scenario under every mode
+# (which took three times as long): the modes share the whole path from a rank's records to the job's verdict.
+# Under each, every rank runs ``jobrun.run_rank`` (the script under its own watch, as ``fastfeed doctor`` runs one),
+# and rank 0 gathers every rank's records through the job's store (``jobstore.gather``, each rank's clock brought
+# onto rank 0's) and judges them (``JobReport`` -> ``jobverdict.judge``). The modes differ only in how the ranks
+# are started and who writes the report: torchrun starts them and rank 0 writes it; fastfeed's launcher starts them
+# (one launcher per node for two nodes, node 1's ranks reporting to node 0's store) and writes it from the records
+# rank 0 left (``JobReport.from_dict``). So each mode's own part is checked by one job: torchrun with "sync" (its
+# verdict holds on busy cores, so a mode is checked under load too), two nodes with "alike" (ranks on two nodes
+# whose clocks, brought onto one, must show no straggler), and fastfeed's launcher with "compute" and with "one
+# slow rank", which is the closing launch's test below (more steps, then the closing launch): it checks that
+# job's verdict, shares and report.txt the same way.
+JOBS = [("launch", "compute"), ("torchrun", "sync"), ("two_nodes", "alike")]
+# The scenarios whose verdict needs idle cores: "sync" is the all-reduce's whichever rank is slower.
+NEEDS_IDLE = ("one slow rank", "alike", "compute")
 
 
+@pytest.mark.hang_limit(JOB_HANG_S)
 @pytest.mark.parametrize(("mode", "name"), JOBS, ids=[f"{mode}-{name}" for mode, name in JOBS])
 def test_a_jobs_verdict_stragglers_and_shares(mode, name, tmp_path):
     with OthersLoad() as others:
         d = run_job(mode, SCENARIOS[name], tmp_path / "out")
-    if name in ("one slow rank", "alike"):
+    check_report(d)
+    check_text(tmp_path / "out", d)
+    if name in NEEDS_IDLE:
         skip_unless_idle(others, IDLE_CORES, d)
     check(name, d)
-    check_text(tmp_path / "out", d)
 
 
+@pytest.mark.hang_limit(2 * JOB_HANG_S)
 def test_the_closing_launch_measures_the_job_gain_the_advice_predicts(tmp_path):
     """The "one slow rank" job under fastfeed's launcher (its verdict, stragglers, shares and report.txt, as the
     other jobs'), then the closing launch with the advised setting."""
     out = tmp_path / "out"
     with OthersLoad() as others:
-        d = run_job("launch", SCENARIOS["one slow rank"], out, steps=100, whatif=True, timeout=240)
+        d = run_job("launch", SCENARIOS["one slow rank"], out, steps=100, whatif=True, timeout=2 * JOB_TIMEOUT_S)
+    check_report(d)
+    check_text(out, d)
     skip_unless_idle(others, IDLE_CORES, d)
     check("one slow rank", d)
-    check_text(out, d)
     closing = d["whatif"]["closing"]
     assert closing["setting"] == {"num_workers": 2} and closing["rank"] == 1, closing
     assert closing["gain"] == pytest.approx(closing["predicted_gain"], rel=0.15), closing
@@ -261,17 +305,17 @@ def test_collectives_taking_a_quarter_of_a_long_compute_step_leave_the_job_compu
     assert (job.bottleneck, job.stragglers, job.advice) == ("compute", [], [])
     assert "sync 25% of the loop" in job.line
 
+
+@pytest.mark.hang_limit(JOB_HANG_S)
 def test_a_rank_whose_script_raises_ends_the_job_with_its_error_and_leaves_nothing(tmp_path):
     # rank 1 raises at its 5th batch while rank 0 waits for it in the all-reduce: no hang, the error named
     cmd = _doctor("--nproc-per-node", "2", "--steps", "40", "--no-whatif", SCRIPT, "--fail-rank", "1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
                             start_new_session=True)  # fmt: skip
     try:
-        out = proc.communicate(timeout=90)[0]
+        out = proc.communicate(timeout=JOB_TIMEOUT_S)[0]
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+        _end(proc)
     assert proc.returncode == 1, out[-3000:]
     assert "rank 1: the script ended with RuntimeError('rank 1 failed on purpose')" in out, out[-3000:]
     assert "fastfeed doctor: a rank of the job failed" in out, out[-3000:]

@@ -131,3 +131,19 @@ def test_with_no_head_here_and_no_address_info_asks_no_child(ray_installed, monk
     monkeypatch.setattr(info.subprocess, "run", no_child)
     ray = info._ray()
     assert ray["cluster"] is None and ray["status"] == "no cluster running on this machine, and RAY_ADDRESS is not set"
+
+
+def test_only_a_ray_start_head_counts_as_a_cluster_the_doctors_advice_may_join(monkeypatch, tmp_path):
+    """A gcs_server of a cluster some process started for itself (a test's, a script's ray.init()) is no cluster to
+    advise: it ends with that process, and Ray actors on it with it. `ray start --head` leaves its address file."""
+    from fastfeed.doctor import verdict
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    monkeypatch.setattr(info, "_gcs_running", lambda: True)
+    assert not info._ray_started() and not verdict.ray_cluster_reachable()
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:6379")
+    assert info._ray_started() and verdict.ray_cluster_reachable()
+    monkeypatch.setattr(info, "_gcs_running", lambda: False)  # the file of a head since stopped
+    assert not verdict.ray_cluster_reachable()

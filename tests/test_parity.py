@@ -121,13 +121,18 @@ def test_spawn_matches(parity, kind):
         parity(lambda: (ds.ShardedIterable(11), dict(batch_size=3, **workers(2, "spawn"))))
 
 
-@pytest.mark.hang_limit(60)
-def test_forkserver_matches():
-    """With the forkserver start method the batches match torch's (in a script: the server outlives any test)."""
+@pytest.fixture(scope="module")
+def forkserver_run(tmp_path_factory):
+    """One script for the forkserver tests (the server outlives any test, so it runs in a script of its own, which
+    imports torch and starts a server once for every check): it prints "SAME" when the batches match torch's, then
+    both loaders' order behind a straggler, then how many items each started while the first batch was held.
+    Returns (return code, stdout lines, stderr). Module-scoped, so no test's hang limit covers it: finish() bounds it.
+    """
     from _scripts import finish, start_script
 
+    tmp_path = tmp_path_factory.mktemp("forkserver")
     proc = start_script(
-        """
+        f"""
         import torch, torch.utils.data as tud
         from _compare import assert_same
         def run(cls):
@@ -135,11 +140,29 @@ def test_forkserver_matches():
             return list(cls(ds.AugmentedDataset(12), batch_size=3, shuffle=True, num_workers=2,
                             multiprocessing_context="forkserver"))
         assert_same(run(_candidate.DataLoader), run(tud.DataLoader))
-        print("SAME")
+        print("SAME", flush=True)
+        def order(cls):
+            loader = cls(ds.StragglerMap(10, slow=0), num_workers=2, in_order=False, multiprocessing_context="forkserver")
+            return [int(b[1]) for b in loader]
+        def started(cls, directory):
+            os.mkdir(directory)
+            it = iter(cls(ds.StartLog(directory, 16, delay=0.05), num_workers=2, prefetch_factor=1,
+                          multiprocessing_context="forkserver"))
+            held = next(it)
+            time.sleep(1.0)
+            return len(os.listdir(directory))
+        print(order(_candidate.DataLoader), order(tud.DataLoader))
+        print(started(_candidate.DataLoader, {str(tmp_path / "c")!r}), started(tud.DataLoader, {str(tmp_path / "t")!r}))
         """
     )
-    out, err = finish(proc, timeout=50)
-    assert proc.returncode == 0 and "SAME" in out, err
+    out, err = finish(proc, timeout=130)  # the two scripts it replaces had 50 s and 80 s
+    return proc.returncode, out.splitlines(), err
+
+
+def test_forkserver_matches(forkserver_run):
+    """With the forkserver start method the batches match torch's (in a script: the server outlives any test)."""
+    code, lines, err = forkserver_run
+    assert lines[:1] == ["SAME"], err
 
 
 def test_context_object_matches(parity):
@@ -425,30 +448,10 @@ def test_tasks_in_flight_do_not_shrink_while_the_consumer_holds_a_batch(tmp_path
     assert ours == theirs == 2 * prefetch_factor + 1
 
 
-@pytest.mark.hang_limit(90)
-def test_forkserver_keeps_stragglers_and_the_in_flight_count_as_torch(tmp_path):
+def test_forkserver_keeps_stragglers_and_the_in_flight_count_as_torch(forkserver_run):
     """Under forkserver too, an out-of-order straggler and a held batch leave torch's order and tasks in flight."""
-    from _scripts import finish, start_script
-
-    proc = start_script(
-        f"""
-        import torch.utils.data as tud
-        def order(cls):
-            loader = cls(ds.StragglerMap(10, slow=0), num_workers=2, in_order=False, multiprocessing_context="forkserver")
-            return [int(b[1]) for b in loader]
-        def started(cls, directory):
-            os.mkdir(directory)
-            it = iter(cls(ds.StartLog(directory, 16, delay=0.05), num_workers=2, prefetch_factor=1,
-                          multiprocessing_context="forkserver"))
-            held = next(it)
-            time.sleep(1.0)
-            return len(os.listdir(directory))
-        print(order(_candidate.DataLoader), order(tud.DataLoader))
-        print(started(_candidate.DataLoader, {str(tmp_path / "c")!r}), started(tud.DataLoader, {str(tmp_path / "t")!r}))
-        """
-    )
-    out, err = finish(proc, timeout=80)
-    assert proc.returncode == 0, err
-    orders, counts = out.splitlines()
-    assert orders == f"{[1, 3, 4, 5, 6, 7, 8, 9, 0, 2]} {[1, 3, 4, 5, 6, 7, 8, 9, 0, 2]}", out
-    assert counts == "3 3", out
+    code, lines, err = forkserver_run
+    assert code == 0, err
+    _, orders, counts = lines
+    assert orders == f"{[1, 3, 4, 5, 6, 7, 8, 9, 0, 2]} {[1, 3, 4, 5, 6, 7, 8, 9, 0, 2]}", lines
+    assert counts == "3 3", lines

@@ -33,6 +33,23 @@ from fastfeed._workers.ray import actor as ray_actor  # noqa: E402
 from fastfeed._workers.loop import WorkerSpec  # noqa: E402
 from fastfeed._workers.ray.actor import RayWorker  # noqa: E402
 
+# How long the cluster may take to count killed actors dead on a machine busy with other work (the wait ends as soon
+# as none is left).
+GONE_S = 60.0
+# The loaders' timeout, a bound for a loop that would otherwise wait for ever: the first batch's wait includes the
+# actor's start, which a busy machine makes minutes long.
+TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module", autouse=True)
+def patient_starts():
+    """Actors may take minutes to start on a machine busy with other work (a process, Ray's and torch's imports):
+    this module's loaders wait FASTFEED_RAY_START_TIMEOUT_S=600 s for them, not the 120 s default, the cluster's
+    warm-up included (autouse, so set before it). Tests of the start timeout set their own."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FASTFEED_RAY_START_TIMEOUT_S", "600")
+        yield
+
 
 @pytest.mark.hang_limit(40)
 def test_out_of_order_an_actor_with_no_room_raises_while_another_delivers(cluster, monkeypatch):
@@ -52,7 +69,7 @@ def test_out_of_order_an_actor_with_no_room_raises_while_another_delivers(cluste
     assert got < n - 2, "raised only once the placed actor had nothing left to deliver"
     del loader
     gc.collect()
-    assert wait_no_actors() == []
+    assert wait_no_actors(GONE_S) == []
 
 
 @pytest.mark.hang_limit(40)
@@ -62,7 +79,7 @@ def test_a_mixed_pool_out_of_order_waits_without_spinning(cluster):
     nothing it waited with (a thread, a descriptor) is left once the loader is gone."""
     threads = set(threading.enumerate())
     loader = fastfeed.DataLoader(rds.SlowAugmented(n=2, delay=1.5), batch_size=1, num_workers=(1, 1),
-                                 worker_type=("process", "ray"), in_order=False, timeout=30)  # fmt: skip
+                                 worker_type=("process", "ray"), in_order=False, timeout=TIMEOUT_S)  # fmt: skip
     it = iter(loader)
     wall, cpu = time.monotonic(), time.thread_time()
     indices = sorted(int(next(it)["index"]) for _ in range(2))
@@ -73,7 +90,7 @@ def test_a_mixed_pool_out_of_order_waits_without_spinning(cluster):
         next(it)
     del it, loader
     gc.collect()
-    assert wait_no_actors() == []
+    assert wait_no_actors(GONE_S) == []
     assert set(threading.enumerate()) <= threads
 
 
@@ -84,7 +101,7 @@ def test_an_actors_dataset_is_told_of_its_next_tasks_while_it_runs_one(cluster):
     are the sampler's, in order."""
     n = 12
     loader = fastfeed.DataLoader(rds.ToldAhead(n=n, delay=0.05), batch_size=1, num_workers=1, prefetch_factor=4,
-                                 worker_type="ray", timeout=30)  # fmt: skip
+                                 worker_type="ray", timeout=TIMEOUT_S)  # fmt: skip
     got = [b[0].tolist() for b in loader]
     assert [index for index, _ in got] == list(range(n))
     told = [t for _, t in got]

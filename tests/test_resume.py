@@ -2,7 +2,8 @@
 
 Each test runs a configuration uninterrupted (the reference), runs it again up to a
 point and takes `loader.state_dict()`, saves it with torch.save, then continues in a
-new Python process started from another global seed: that process builds the same
+new process (forked from a fresh Python that only imported torch and the helpers: see
+RESUMER) started from another global seed: that process builds the same
 loader, loads the state (torch.load with weights_only=True) and must yield the rest of
 the reference, bit for bit, with the training loop's own random draws between batches
 (torch, random, numpy) unchanged too. Configurations are named for tests/_resume.py.
@@ -26,7 +27,46 @@ pytestmark = pytest.mark.fastfeed_only
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-def resume_in_new_process(name, at_epoch, k, tmp_path):
+# The new processes resumes run in: forked, one per resume, from a Python that has imported torch and the test
+# helpers and done nothing else (it never builds a loader), so that each resume, like a restarted job, starts with
+# no state of the run that saved, but without paying a fresh interpreter's torch import (most of a test's time).
+# It reads one resume per line (tests/_resume.py's arguments) and answers each with the child's exit code; a
+# child's traceback goes to OUT.err.
+RESUMER = """
+import os, sys, traceback
+import torch
+import _resume
+for line in sys.stdin:
+    args = line.split()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            name, at_epoch, mid_epoch, state_path, out_path = args
+            state = torch.load(state_path, weights_only=True)
+            torch.save(_resume.resumed(name, int(at_epoch), mid_epoch == "1", state), out_path)
+            code = 0
+        except BaseException:
+            with open(args[-1] + ".err", "w") as f:
+                f.write(traceback.format_exc())
+        sys.exit(code)  # a normal exit: fastfeed's and multiprocessing's exit handlers join the workers
+    _, status = os.waitpid(pid, 0)
+    print(os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def resumer():
+    """The process that forks a new process per resume (RESUMER); stopped at the module's end."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [TESTS_DIR, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, "-c", RESUMER], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    yield proc
+    proc.stdin.close()
+    proc.wait(timeout=60)
+
+
+def resume_in_new_process(name, at_epoch, k, tmp_path, resumer):
     """Stop config `name` after batch k of epoch at_epoch (None: at its end), resume elsewhere, compare.
 
     Returns the state that was saved.
@@ -37,13 +77,11 @@ def resume_in_new_process(name, at_epoch, k, tmp_path):
     state_path, out_path = tmp_path / "state.pt", tmp_path / "out.pt"
     torch.save(state, state_path)
     mid_epoch = k is not None
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [TESTS_DIR, os.environ.get("PYTHONPATH")])))
     args = [name, str(at_epoch), "1" if mid_epoch else "0", str(state_path), str(out_path)]
-    proc = subprocess.run(
-        [sys.executable, os.path.join(TESTS_DIR, "_resume.py"), *args],
-        env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    resumer.stdin.write(" ".join(args) + "\n")
+    resumer.stdin.flush()
+    code = resumer.stdout.readline().strip()
+    assert code == "0", f"the resume exited {code!r}:\n" + (open(f"{out_path}.err").read() if code else "")
     got = torch.load(out_path, weights_only=False)
     expected = ([ref[at_epoch][k:]] if mid_epoch else []) + ref[at_epoch + 1 :]
     assert sum(map(len, expected)) > 0, "the case resumes nothing; it proves nothing"
@@ -51,111 +89,111 @@ def resume_in_new_process(name, at_epoch, k, tmp_path):
     return state
 
 
-def test_map_shuffled_single_process_mid_epoch(tmp_path):
+def test_map_shuffled_single_process_mid_epoch(tmp_path, resumer):
     """Single-process, shuffled (global RNG): resuming after batch 2 of epoch 1 continues exactly."""
-    resume_in_new_process("map:shuffle=1", 1, 2, tmp_path)
+    resume_in_new_process("map:shuffle=1", 1, 2, tmp_path, resumer)
 
 
-def test_map_generator_single_process_mid_epoch(tmp_path):
+def test_map_generator_single_process_mid_epoch(tmp_path, resumer):
     """Single-process, shuffled by an explicit generator: resuming mid-epoch continues exactly."""
-    resume_in_new_process("map:shuffle=1,generator=1", 1, 3, tmp_path)
+    resume_in_new_process("map:shuffle=1,generator=1", 1, 3, tmp_path, resumer)
 
 
-def test_map_single_process_epoch_boundary(tmp_path):
+def test_map_single_process_epoch_boundary(tmp_path, resumer):
     """Single-process: a state taken after epoch 0 ended starts epoch 1 as the uninterrupted run did."""
-    resume_in_new_process("map:shuffle=1", 0, None, tmp_path)
+    resume_in_new_process("map:shuffle=1", 0, None, tmp_path, resumer)
 
 
-def test_map_shuffled_workers_mid_epoch(tmp_path):
+def test_map_shuffled_workers_mid_epoch(tmp_path, resumer):
     """Two workers, shuffled (global RNG): per-worker RNG streams and order continue exactly mid-epoch."""
-    resume_in_new_process("map:shuffle=1,nw=2", 1, 2, tmp_path)
+    resume_in_new_process("map:shuffle=1,nw=2", 1, 2, tmp_path, resumer)
 
 
-def test_map_generator_workers_mid_epoch(tmp_path):
+def test_map_generator_workers_mid_epoch(tmp_path, resumer):
     """Two workers, explicit generator: base seed, order and worker streams continue exactly."""
-    resume_in_new_process("map:shuffle=1,nw=2,generator=1", 1, 3, tmp_path)
+    resume_in_new_process("map:shuffle=1,nw=2,generator=1", 1, 3, tmp_path, resumer)
 
 
-def test_map_workers_epoch_boundary(tmp_path):
+def test_map_workers_epoch_boundary(tmp_path, resumer):
     """Two workers: a state taken after epoch 0 ended gives epochs 1 and 2 as uninterrupted."""
-    state = resume_in_new_process("map:shuffle=1,nw=2", 0, None, tmp_path)
+    state = resume_in_new_process("map:shuffle=1,nw=2", 0, None, tmp_path, resumer)
     assert state["mid_epoch"] is False and state["workers"] is None
 
 
-def test_map_workers_odd_batch_count(tmp_path):
+def test_map_workers_odd_batch_count(tmp_path, resumer):
     """Resuming when the next batch belongs to worker 1 keeps the round robin in step."""
-    state = resume_in_new_process("map:shuffle=1,nw=2", 1, 3, tmp_path)
+    state = resume_in_new_process("map:shuffle=1,nw=2", 1, 3, tmp_path, resumer)
     assert state["next_worker"] == 1
 
 
-def test_iterable_single_process_mid_epoch(tmp_path):
+def test_iterable_single_process_mid_epoch(tmp_path, resumer):
     """Single-process IterableDataset: fast-forwarded past the batches seen, it continues exactly."""
-    resume_in_new_process("iterable:", 1, 3, tmp_path)
+    resume_in_new_process("iterable:", 1, 3, tmp_path, resumer)
 
 
-def test_iterable_workers_mid_epoch(tmp_path):
+def test_iterable_workers_mid_epoch(tmp_path, resumer):
     """Two workers over an IterableDataset: each replica resumes at its own position."""
-    resume_in_new_process("iterable:nw=2", 1, 3, tmp_path)
+    resume_in_new_process("iterable:nw=2", 1, 3, tmp_path, resumer)
 
 
-def test_iterable_workers_near_the_end(tmp_path):
+def test_iterable_workers_near_the_end(tmp_path, resumer):
     """Two workers over an IterableDataset, resumed one batch before both replicas end."""
-    resume_in_new_process("iterable:nw=2", 1, 5, tmp_path)
+    resume_in_new_process("iterable:nw=2", 1, 5, tmp_path, resumer)
 
 
-def test_iterable_worker_ended_before_the_state(tmp_path):
+def test_iterable_worker_ended_before_the_state(tmp_path, resumer):
     """A worker whose replica ended (and exited) before the state stays out of the resumed epoch."""
-    state = resume_in_new_process("uneven:nw=2,bs=2", 1, 6, tmp_path)
+    state = resume_in_new_process("uneven:nw=2,bs=2", 1, 6, tmp_path, resumer)
     assert state["workers"][1] is None
 
 
-def test_persistent_iterable_worker_ended_before_the_state(tmp_path):
+def test_persistent_iterable_worker_ended_before_the_state(tmp_path, resumer):
     """Persistent workers: a replica that ended before the state is idle, then runs the next epochs."""
-    state = resume_in_new_process("uneven:nw=2,bs=2,persistent=1", 1, 6, tmp_path)
+    state = resume_in_new_process("uneven:nw=2,bs=2,persistent=1", 1, 6, tmp_path, resumer)
     assert state["workers"][1]["state"]["ended"] is True
 
 
-def test_persistent_workers_mid_epoch(tmp_path):
+def test_persistent_workers_mid_epoch(tmp_path, resumer):
     """Persistent workers: resumed mid-epoch 1, epoch 2 continues each worker's stream as torch's would."""
-    resume_in_new_process("map:shuffle=1,nw=2,persistent=1", 1, 2, tmp_path)
+    resume_in_new_process("map:shuffle=1,nw=2,persistent=1", 1, 2, tmp_path, resumer)
 
 
-def test_persistent_workers_epoch_boundary(tmp_path):
+def test_persistent_workers_epoch_boundary(tmp_path, resumer):
     """Persistent workers: a state after epoch 1 ended restarts the workers where their streams were."""
-    state = resume_in_new_process("map:shuffle=1,nw=2,persistent=1", 1, None, tmp_path)
+    state = resume_in_new_process("map:shuffle=1,nw=2,persistent=1", 1, None, tmp_path, resumer)
     assert state["mid_epoch"] is False and len(state["workers"]) == 2
 
 
-def test_persistent_iterable_mid_epoch(tmp_path):
+def test_persistent_iterable_mid_epoch(tmp_path, resumer):
     """Persistent workers over an IterableDataset: resumed mid-epoch, later epochs match too."""
-    resume_in_new_process("iterable:nw=2,persistent=1", 1, 5, tmp_path)
+    resume_in_new_process("iterable:nw=2,persistent=1", 1, 5, tmp_path, resumer)
 
 
-def test_distributed_sampler_workers(tmp_path):
+def test_distributed_sampler_workers(tmp_path, resumer):
     """DistributedSampler (2 replicas, rank 0, set_epoch each epoch) with two workers resumes exactly."""
-    resume_in_new_process("distributed:nw=2", 1, 1, tmp_path)
+    resume_in_new_process("distributed:nw=2", 1, 1, tmp_path, resumer)
 
 
-def test_distributed_sampler_single_process(tmp_path):
+def test_distributed_sampler_single_process(tmp_path, resumer):
     """DistributedSampler (2 replicas, rank 0, set_epoch each epoch) without workers resumes exactly."""
-    resume_in_new_process("distributed:", 1, 2, tmp_path)
+    resume_in_new_process("distributed:", 1, 2, tmp_path, resumer)
 
 
-def test_stateful_iterable_single_process(tmp_path):
+def test_stateful_iterable_single_process(tmp_path, resumer):
     """Single-process: an IterableDataset's own state_dict() is saved and loaded instead of replaying it."""
-    state = resume_in_new_process("stateful:", 1, 3, tmp_path)
+    state = resume_in_new_process("stateful:", 1, 3, tmp_path, resumer)
     assert state["dataset"] == {"pos": 12, "read": 12}
 
 
-def test_stateful_iterable_workers(tmp_path):
+def test_stateful_iterable_workers(tmp_path, resumer):
     """Two workers: each worker's dataset state after its last batch seen is saved and restored in it."""
-    state = resume_in_new_process("stateful:nw=2", 1, 3, tmp_path)
+    state = resume_in_new_process("stateful:nw=2", 1, 3, tmp_path, resumer)
     assert [w["state"]["dataset"] for w in state["workers"]] == [{"pos": 16, "read": 8}, {"pos": 9, "read": 4}]
 
 
-def test_stateful_iterable_persistent_workers(tmp_path):
+def test_stateful_iterable_persistent_workers(tmp_path, resumer):
     """Persistent workers over a stateful IterableDataset resume mid-epoch and run later epochs alike."""
-    resume_in_new_process("stateful:nw=2,persistent=1", 1, 3, tmp_path)
+    resume_in_new_process("stateful:nw=2,persistent=1", 1, 3, tmp_path, resumer)
 
 
 def test_out_of_order_resumes_every_batch_not_received_once():

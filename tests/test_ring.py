@@ -36,12 +36,16 @@ def test_sampler_is_consumed_when_torch_consumes_it():
 
 @pytest.fixture
 def slots_freed_in_time(monkeypatch):
-    """Workers wait as long as it takes for the slot the loop is about to free (forked workers inherit this), so
-    that a loaded machine, which can hold the loop off the CPU past control.WAIT_S, cannot grow the ring: the
-    slot-count tests below then count what the loop holds, not the scheduler's delays."""
+    """Workers wait far longer than any scheduling delay for the slot the loop is about to free (forked workers
+    inherit this), so that a loaded machine, which can hold the loop off the CPU past control.WAIT_S, cannot grow
+    the ring: the slot-count tests below then count what the loop holds, not the scheduler's delays.
+
+    Not longer still: a worker polls every WAIT_S/20, and a loop that holds its batch while it asks for the next
+    one frees nothing, so once per ring the wait runs its full length before the slot the loop needs is made (at
+    30 s, a 30 s stall for one worker and one batch in flight, and 1.5 s polls)."""
     from fastfeed._ring import control
 
-    monkeypatch.setattr(control, "WAIT_S", 30.0)
+    monkeypatch.setattr(control, "WAIT_S", 2.0)
 
 
 @pytest.mark.usefixtures("slots_freed_in_time")

@@ -395,21 +395,29 @@ def global_sequence(reports: list[dict], epoch: int = 0) -> list[int]:
     return _shards.interleave([r["epochs"][epoch] for r in reports])
 
 
-def test_torchrun_three_ranks_over_unequal_shards_get_equal_batches_and_finish(shard_dir, tmp_path):
+@pytest.fixture(scope="module")
+def three_ranks(shard_dir, tmp_path_factory):
+    """One launch of 3 ranks for the two tests below: 2 epochs with 1 worker each, then epoch 0 again without
+    workers (the report's "also")."""
+    out = tmp_path_factory.mktemp("r3") / "r3"
+    return torchrun(3, shard_dir, out, "--epochs", "2", "--workers", "1", "--also-workers", "0")
+
+
+def test_torchrun_three_ranks_over_unequal_shards_get_equal_batches_and_finish(three_ranks):
     """3 gloo ranks, all-reducing at every batch, over unequal shards: equal len(), equal batch counts, no hang."""
-    reports = torchrun(3, shard_dir, tmp_path / "r3", "--epochs", "2", "--workers", "1")
+    reports = three_ranks
     for epoch in (0, 1):
         assert len({len(r["epochs"][epoch]) for r in reports}) == 1
     assert {r["len"] for r in reports} == {len(reports[0]["epochs"][0])}
 
 
-def test_torchrun_one_rank_yields_each_sample_once_and_three_ranks_stay_equal(shard_dir, tmp_path):
+def test_torchrun_one_rank_yields_each_sample_once_and_three_ranks_stay_equal(shard_dir, tmp_path, three_ranks):
     """Under torchrun with gloo: one rank yields every sample once (a short last batch), while three ranks over
-    the same shards get the same number of full batches, padded."""
+    the same shards (without workers) get the same number of full batches, padded."""
     one = torchrun(1, shard_dir, tmp_path / "r1", "--workers", "2")
     assert sorted(global_sequence(one)) == list(range(N)) and one[0]["samples"] == N
     assert [len(b) for b in one[0]["epochs"][0]] == [8] * (N // 8) + [N % 8]
-    three = torchrun(3, shard_dir, tmp_path / "r3", "--workers", "0")
+    three = [dict(r, epochs=[r["also"]]) for r in three_ranks]  # the launch's epoch 0 again, num_workers=0
     lengths = [[len(b) for b in r["epochs"][0]] for r in three]
     assert lengths == [[2] * 11] * 3  # 3 ranks of 2: 11 global batches of 6 for 65 samples, the last padded
     assert sorted(set(global_sequence(three))) == list(range(N))

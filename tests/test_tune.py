@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 
 import fastfeed
+from fastfeed.tuning.recheck import Recheck
 from fastfeed.tuning.result import Setting, Trial
 from fastfeed.tuning.search import Search
 
@@ -211,7 +212,8 @@ def test_auto_tunes_on_the_first_epoch_with_fixed_order_and_caches(cache_dir):
     entries = json.loads((cache_dir / "tune.json").read_text())["entries"]
     assert len(entries) == 1
     again = fastfeed.DataLoader(ds, batch_size=4, shuffle=True, num_workers="auto")
-    assert again._ff_tuner is None and again.tune_result.setting == result.setting
+    assert again.tune_result.setting == result.setting and again.num_workers == result.num_workers
+    assert isinstance(again._ff_tuner.search, Recheck)  # only re-checked against its neighbours, not tuned again
 
 
 def test_auto_prefetch_only_keeps_num_workers():

@@ -13,6 +13,7 @@ import fastfeed
 from fastfeed import cli
 from fastfeed.tuning import TuneResult, load_config
 from fastfeed.tuning.cache import Cache
+from fastfeed.tuning.recheck import Recheck
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -132,7 +133,7 @@ def test_result_is_cached_for_auto_loaders(fake_tune, cache_dir, capfd):
     assert cli.main(["tune", "_tune_targets:rows", "--batch-size", "8"]) == 0
     assert "cached in" in capfd.readouterr().err
     loader = fastfeed.DataLoader(_tune_targets.rows, batch_size=8, num_workers="auto", prefetch_factor="auto")
-    assert loader._ff_tuner is None
+    assert isinstance(loader._ff_tuner.search, Recheck)  # used at once, only re-checked on the first epoch
     assert (loader.num_workers, loader.prefetch_factor) == (2, 3)
     assert loader.tune_result == fake_tune.result
 

@@ -154,3 +154,33 @@ def test_when_even_the_first_trial_is_over_budget_the_tuner_falls_back(monkeypat
     else:
         assert offline._within_memory(search, trial_of, "process", min_workers)
     assert search.choice().num_workers == expected
+
+
+def test_auto_says_memory_set_the_limit_as_tune_does(monkeypatch):
+    """num_workers="auto" tunes through the same budget: on a machine whose memory holds 3 workers where the
+    workers' figures would take more, the settled result names memory as the limit, with its estimate."""
+    from fastfeed.tuning import agree
+    from fastfeed.tuning.online import OnlineTuner
+    from fastfeed.tuning.search import Search
+
+    monkeypatch.setattr(agree, "publish", lambda result, tag: None)  # one process: no other rank to agree with
+    monkeypatch.setattr(agree, "poll", lambda tag, own: own)
+    budget = _budget(3 * 320 * MB + 12 * MB, [ITEMS])
+    search = Search(max_workers=8, tolerance=0.03, fits=budget, tight=budget.tight)
+    settled = []
+    tuner = OnlineTuner(search, budget, 0.03, settled.append, "t", 16)
+    while (s := search.propose()) is not None:  # more workers always help, up to the 3 that fit
+        trial = _first() if s == Setting("process", 2, 2) else Trial(s, [10.0 * max(1, s.num_workers)] * 3)
+        trial.windows, trial.stall_fraction = [10.0 * max(1, s.num_workers)] * 3, 0.5  # input-bound
+        budget.learn(trial)
+        search.report(trial)
+    result = tuner.finish(True, 1.0)
+    assert result.num_workers == 3 and settled == [result]
+    assert result.limited_by == "memory" and result.memory["max_workers"] == 3, str(result)
+    assert "memory, not CPU, set the limit" in str(result)
+
+
+def test_auto_finds_the_datasets_containers_before_its_workers_fork():
+    ds = _memory_meta.dataset(200_000, sleep_s=0.0)
+    loader = fastfeed.DataLoader(ds, batch_size=16, num_workers="auto")
+    assert [c.name for c in loader._ff_tuner.budget.containers] == ["items"]

@@ -177,13 +177,19 @@ def _files_bars(name: str, result: dict) -> dict:
 
 def _tune_bars(name: str, result: dict) -> dict:
     """The tuner's pick over the exhaustive grid's best, per workload, with the time it took beneath: what tuning
-    gives up, against what it saves. The ratio is the worst over the tuner's reruns, so there are no whiskers."""
+    gives up, against what it saves. The bar is the worst run's ratio, the one a user could get, with a whisker up
+    to the best run's; rows from before the tuner's runs were kept (``quality``) hold the worst alone."""
     bars = []
     for row in result.get("rows") or []:
-        label = str(row.get("workload", "?"))
+        label, quality = str(row.get("workload", "?")), row.get("quality")
+        if quality is not None:
+            label += f"\nworst of {len(row.get('runs') or [])} runs"
         if row.get("time_ratio") is not None:
             label += f"\ntuned in {row['time_ratio']:.2f}x\nthe grid's time"
-        bars.append((label, "tuned", row.get("throughput_ratio"), None, None))
+        if quality is not None:
+            bars.append((label, "tuned", quality["min"], quality["min"], quality["max"]))
+        else:
+            bars.append((label, "tuned", row.get("throughput_ratio"), None, None))
     return dict(title=_title(name, "batch/s"), reference="grid best", bars=bars,
                 ylabel="throughput / grid best (same run)")  # fmt: skip
 

@@ -12,7 +12,6 @@ import csv
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
@@ -137,9 +136,13 @@ def figure_rows(report: dict):
                            numerator=rk["pss_summed"] / 1e6, denominator=rk["one_copy"] / 1e6, unit="MB")
         elif entry["kind"] == "tune":
             for row in res["rows"]:
-                for fig, key in (("throughput", "throughput_ratio"), ("tune_time", "time_ratio")):
-                    yield dict(workload=name, key=row["workload"], figure=fig, median=row[key], min=None, max=None,
-                               numerator=None, denominator=None, unit="x grid")
+                # Over the tuner's runs (quality, time: min, median, max); rows from before they were kept hold
+                # the worst run's figures alone.
+                pairs = (("throughput", "quality", "throughput_ratio"), ("tune_time", "time", "time_ratio"))
+                for fig, stats, worst in pairs:
+                    st = row.get(stats) or {"median": row[worst], "min": None, "max": None}
+                    yield dict(workload=name, key=row["workload"], figure=fig, median=st["median"], min=st["min"],
+                               max=st["max"], numerator=None, denominator=None, unit="x grid")
 
 
 def _shards_rows(name: str, res: dict):
@@ -288,7 +291,8 @@ def compare(old: dict, new: dict, threshold: float) -> tuple[list[str], list[str
     return lines, regressions
 
 
-def print_lines(lines, file=sys.stdout) -> None:
+def print_lines(lines, file=None) -> None:
+    # None: the sys.stdout of the call (print's own default), not the one bound when this module was imported.
     for line in lines:
         print(line, file=file)
 
@@ -326,7 +330,7 @@ def shards_markdown(res: dict) -> str:
                 lines.append(f"| {SHARD_LOADERS[loader]} | - | {figs} | - | - |")
     cache = res.get("cache")
     if cache:
-        lines += ["", f"| epoch 2's downloads (http), data 2x the cache | downloaded | / (data - cache) |",
+        lines += ["", "| epoch 2's downloads (http), data 2x the cache | downloaded | / (data - cache) |",
                   "|---|---|---|"]
         names = {"fastfeed": "fastfeed.io.Shards (farthest next use)", "lru": "LRU", "belady": "Belady",
                  "mosaic": "Mosaic StreamingDataset (cache_limit)", "webdataset": "webdataset (no cache)"}

@@ -322,12 +322,16 @@ def _advice(d: dict) -> str:
 def _memory(d: dict) -> str:
     """The workers' private memory, the machine's headroom and copy-on-read, when memory was sampled."""
     m = d.get("memory")
-    if not m:
+    whole = (d.get("job") or {}).get("memory")  # a job's: summed over its ranks, above rank 0's own workers
+    if not m and not whole:
         return ""
+    out = ['<section id="memory"><h2>Memory</h2>']
+    out += [f"<p>{_e(line)}</p>" for line in memory.job_lines(whole)]
+    if not m:
+        return "".join(out) + "</section>"
     rows = [[_e(w["pid"]), _e(memory.mb(w["start_bytes"])), _e(memory.mb(w["end_bytes"])),
              _e(memory.mb(w["peak_bytes"])), f'<span class="num">{_e(memory.mb(w["growth_bytes"]))}</span>']
             for w in m["workers"]]  # fmt: skip
-    out = ['<section id="memory"><h2>Memory</h2>']
     out += [f"<p>{_e(line)}</p>" for line in memory.lines(m)]
     if rows:
         out.append(_table(["worker pid", "private (USS) at start", "at the end", "peak", "growth"], rows, "memory"))

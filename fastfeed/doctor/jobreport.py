@@ -18,6 +18,7 @@ gain (its slowest rank's rate, once every worker has made its first batch) again
 
 from __future__ import annotations
 
+from . import memory
 from .evidence import ms
 from .jobverdict import JobVerdict, judge
 from .ranks import RankRecord
@@ -90,6 +91,7 @@ class JobReport:
                          f"sync {s['sync']:.0%}, compute {s['compute']:.0%}; {line}; "
                          f"{r['samples_per_s']:.1f} samples/s, step p50 {ms(r['step_p50_s'])}"
                          + (f"; ended with {r['error']}" if r["error"] else ""))  # fmt: skip
+        lines += memory.job_lines(job.get("memory"))
         lines.append("advice:" if job["advice"] else
                      "advice: none; no rank's input pipeline is what holds this job back")  # fmt: skip
         for a in job["advice"]:

@@ -25,6 +25,7 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 
+from . import memory
 from .ranks import RankRecord, RankSplit, split
 from .verdict import HIGHLY, MODERATELY, Verdict, _severity, diagnose
 
@@ -70,12 +71,14 @@ class JobVerdict:
     step_s: float = 0.0  # the job's seconds per step once its workers started (``RankSplit.step_per_batch``, mean)
     collectives_s: float = 0.0  # per step, the sync even the slowest rank has: the collectives' own time
     about: int = 0  # the rank the verdict and advice are about: the slowest (a straggler, when there are any)
+    memory: dict | None = None  # fastfeed.doctor.memory.job: the workers' memory summed over the ranks
 
     def as_dict(self) -> dict:
         return {"verdict": {"bottleneck": self.bottleneck, "cause": self.cause, "severity": self.severity,
                             "line": self.line},
                 "stragglers": self.stragglers, "lost": self.lost, "step_s": self.step_s,
-                "collectives_s": self.collectives_s, "about": self.about, "advice": self.advice}  # fmt: skip
+                "collectives_s": self.collectives_s, "about": self.about, "advice": self.advice,
+                "memory": self.memory}  # fmt: skip
 
 
 def _mean(values) -> float:
@@ -131,7 +134,11 @@ def judge(records: list[RankRecord]) -> JobVerdict:
                 f" of the loop; no straggler")
     job = JobVerdict(bottleneck=bottleneck, cause=cause, severity=severity, line=line, stragglers=stragglers,
                      lost=lost, ranks=views, step_s=step, collectives_s=collectives, about=slowest.rank)  # fmt: skip
+    job.memory = memory.job([(v.rank, v.record.host, v.verdict.memory) for v in views])
     job.advice = advise(job, slowest, own)
+    share = memory.job_advice(job.memory)
+    if share is not None:  # whatever holds the job back, every rank's workers copying the dataset costs memory
+        job.advice.append(share)
     return job
 
 
@@ -151,6 +158,8 @@ def advise(job: JobVerdict, slowest: RankView, own: dict[int, float]) -> list[di
     bs = (primary.batch_size if primary else None) or 1
     now = slowest.split.step_per_batch()
     for item in slowest.verdict.advice:
+        if item.get("predicted_saving_bytes") is not None:
+            continue  # fastfeed.share: given once for the job, its saving summed over the ranks (memory.job_advice)
         gain = None
         rate = item.get("predicted_samples_per_s")
         if rate and job.step_s > 0 and now > 0:

@@ -169,3 +169,76 @@ def advice(m: dict | None) -> dict | None:
     return {"change": "dataset = fastfeed.share(dataset)", "setting": None, "why": why,
             "predicted_samples_per_s": None, "predicted_gain": None, "needs": NEEDS,
             "predicted_saving_bytes": saving, "more_workers": m["more_workers"]}  # fmt: skip
+
+
+def job(ranks: list[tuple[int, str, dict | None]]) -> dict | None:
+    """A job's memory over its ranks, from each rank's ``analyse`` (``(rank, host, memory)``); None when no rank
+    sampled memory.
+
+    Every rank forks its own workers from its own copy of the dataset, so a job holds ranks x workers copies of
+    what they copy on read: the job's figures are sums over the ranks (the workers' private memory at the end and
+    their growth; ``fastfeed.share``'s saving), and each machine's headroom is the lowest any of its ranks saw."""
+    seen = [(rank, host, m) for rank, host, m in ranks if m]
+    if not seen:
+        return None
+    hosts: dict[str, dict] = {}
+    for rank, host, m in seen:
+        h = hosts.setdefault(host, {"host": host, "ranks": [], "mem_total": m["mem_total"], "available_min": None})
+        h["ranks"].append(rank)
+        if m["available_min"] is not None:
+            low = h["available_min"]
+            h["available_min"] = m["available_min"] if low is None else min(low, m["available_min"])
+    for h in hosts.values():
+        h["headroom"] = h["available_min"] / h["mem_total"] if h["available_min"] is not None and h["mem_total"] else None
+    copying = [(rank, m) for rank, _, m in seen if m["copy_on_read"]]
+    culprit = next((m["culprit"] for _, m in copying if m["culprit"]), None)
+    return {
+        "ranks": [rank for rank, _, _ in seen],
+        "workers": sum(len(m["workers"]) for _, _, m in seen),
+        "workers_end_bytes": sum(w["end_bytes"] for _, _, m in seen for w in m["workers"]),
+        "workers_growth_bytes": sum(m["workers_growth_bytes"] or 0 for _, _, m in seen),
+        "hosts": list(hosts.values()),
+        "copy_on_read_ranks": [rank for rank, _ in copying],
+        "copying_workers": sum(len([w for w in m["workers"] if w["readings"] > 1]) for _, m in copying),
+        "culprit": culprit,
+        "saving_bytes": sum(m["saving_bytes"] or 0 for _, m in copying) if copying else None,
+        "more_workers": sum(m["more_workers"] or 0 for _, m in copying) if copying else None,
+    }
+
+
+def job_lines(j: dict | None) -> list[str]:
+    """The job report's text lines on memory, summed over the ranks (``job``)."""
+    if not j:
+        return []
+    ranks = len(j["ranks"])
+    text = (f"memory, job: {j['workers']} workers over {ranks} rank{'s' * (ranks > 1)} hold {mb(j['workers_end_bytes'])}"
+            f" of private memory (USS) at the end, {mb(j['workers_growth_bytes'])} of it grown over the run")
+    for h in j["hosts"]:
+        if h["available_min"] is not None:
+            text += f"; {h['host'] or 'this machine'}: {mb(h['available_min'])} available at the lowest"
+            if h["headroom"] is not None:
+                text += f" ({h['headroom']:.0%} headroom{', low' if h['headroom'] < LOW_HEADROOM else ''})"
+    out = [text]
+    if j["copy_on_read_ranks"]:
+        c = j["culprit"]
+        what = f"dataset.{c['name']} ({c['kind']} of {c['count']:,} objects)" if c else "the dataset's Python objects"
+        out.append(f"copy-on-read on rank{'s' * (len(j['copy_on_read_ranks']) > 1)} "
+                   f"{', '.join(map(str, j['copy_on_read_ranks']))}: {j['copying_workers']} workers each copy {what} "
+                   f"as they read it; held once per machine (fastfeed.share), that saves ~{mb(j['saving_bytes'])} "
+                   "over the job")  # fmt: skip
+    return out
+
+
+def job_advice(j: dict | None) -> dict | None:
+    """``fastfeed.share`` for the whole job, with its saving summed over the ranks; None without copy-on-read."""
+    if not j or not j["copy_on_read_ranks"]:
+        return None
+    c = j["culprit"]
+    what = f"dataset.{c['name']}" if c else "the dataset's Python objects"
+    n, ranks = j["copying_workers"], len(j["copy_on_read_ranks"])
+    why = (f"{n} workers over {ranks} rank{'s' * (ranks > 1)} each copied {what} as they read it; held once per "
+           f"machine in shared memory (fastfeed.share: local rank 0 writes it, the other ranks map it), that saves "
+           f"~{mb(j['saving_bytes'])}: room for {j['more_workers']} more workers")
+    return {"change": "dataset = fastfeed.share(dataset)", "setting": None, "why": why, "rank": None,
+            "predicted_samples_per_s": None, "predicted_gain": None, "needs": NEEDS,
+            "predicted_saving_bytes": j["saving_bytes"], "more_workers": j["more_workers"]}  # fmt: skip

@@ -46,12 +46,12 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Iterable
+from typing import Callable, Iterable
 
 from .. import _memory
+from .._procstat import CLK_TCK, parse_stat  # shared with the tuner's noise meter, which must not import the doctor
 log = logging.getLogger("fastfeed")
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 SECTOR = 512  # /proc/diskstats counts 512-byte sectors whatever the device's own sector size
 _NOT_DISKS = ("loop", "ram", "zram")
 GPU_KEYS = ("gpu_util", "gpu_mem_util", "gpu_mem_used", "pcie_rx_mbps", "pcie_tx_mbps")
@@ -61,31 +61,6 @@ MEMORY_INTERVAL = 0.5  # seconds between readings of the workers' USS and the ma
 
 
 # -- parsers: pure functions of a /proc file's text -----------------------------------------------------------------
-
-
-def parse_stat(text: str, cpus: Collection[int] | None) -> tuple[int, int, int]:
-    """``(busy, iowait, total)`` clock ticks of the ``cpuN`` lines of /proc/stat for N in ``cpus``.
-
-    ``cpus`` None: all CPUs, read from the first, aggregate ``cpu`` line: one line to parse instead of one per
-    CPU, which matters on a machine with a hundred cores and a process allowed on all of them.
-    """
-    if cpus is None:
-        return _cpu_ticks(text[: text.index("\n")])
-    wanted = {f"cpu{n}" for n in cpus}
-    busy = iowait = total = 0
-    for line in text.splitlines():
-        if not line.startswith("cpu"):
-            break  # the cpu lines come first
-        if line[: line.index(" ")] in wanted:
-            b, w, t = _cpu_ticks(line)
-            busy, iowait, total = busy + b, iowait + w, total + t
-    return busy, iowait, total
-
-
-def _cpu_ticks(line: str) -> tuple[int, int, int]:
-    user, nice, system, idle, iowait, irq, softirq, steal = map(int, line.split(None, 9)[1:9])
-    busy = user + nice + system + irq + softirq + steal  # guest time is already counted in user
-    return busy, iowait, busy + idle + iowait
 
 
 def stat_cpus(text: str) -> set[int]:

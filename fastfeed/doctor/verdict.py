@@ -307,9 +307,9 @@ def ray_cluster_reachable() -> bool:
         return True
     if os.environ.get("RAY_ADDRESS"):
         return True
-    from ..info import _gcs_running
+    from ..info import _ray_started
 
-    return _gcs_running()
+    return _ray_started()
 
 
 def _remote_workers(loader, t: float | None, ceiling: float) -> tuple | None:

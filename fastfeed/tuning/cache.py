@@ -9,7 +9,11 @@ so the file (``~/.cache/fastfeed/tune.json`` by default) can be read and pruned 
 File format::
 
     {"fastfeed_tune_cache": 1,
-     "entries": {key: {"fingerprint": {...}, "loader_kwargs": {...}, "result": {...}, "saved": ISO-8601}}}
+     "entries": {key: {"fingerprint": {...}, "loader_kwargs": {...}, "result": {...}, "saved": ISO-8601,
+                       "confirmed": ISO-8601 or null}}}
+
+``confirmed``: when a loader last measured the cached setting against its neighbours and found it
+still the best (``recheck``); null until then (entries written before it existed lack it).
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ class Cache:
         self.path = os.fspath(path) if path is not None else os.path.join(config.cache_dir(), "tune.json")
 
     def get(self, key: str) -> dict | None:
-        """The entry saved under ``key`` (fingerprint, loader_kwargs, result, saved), or None."""
+        """The entry saved under ``key`` (fingerprint, loader_kwargs, result, saved, confirmed), or None."""
         return self._read().get(key)
 
     def put(self, key: str, result: TuneResult, fp: dict) -> None:
@@ -94,12 +98,24 @@ class Cache:
             "fingerprint": fp,
             "loader_kwargs": result.loader_kwargs(),
             "result": result.as_dict(),
-            "saved": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "saved": _now(),
+            "confirmed": None,
         }
         with self._locked():
             entries = self._read()
             entries[key] = entry
             self._write(entries)
+
+    def confirm(self, key: str) -> bool:
+        """Mark the entry under ``key`` as confirmed now (its setting measured again and still the best); returns
+        False when there is no such entry (the file was cleared or replaced meanwhile)."""
+        with self._locked():
+            entries = self._read()
+            if key not in entries:
+                return False
+            entries[key]["confirmed"] = _now()
+            self._write(entries)
+        return True
 
     def entries(self) -> dict[str, dict]:
         """Every entry, by key."""
@@ -144,6 +160,10 @@ class Cache:
             yield
         finally:
             os.close(fd)  # closing the only descriptor releases the lock
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 def _qualname(obj) -> str:

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from .. import _memory, transfer
+from .noise import CpuMeter, usage
 from .result import Setting, Trial
 
 MIN_WINDOWS = 3
@@ -96,12 +97,14 @@ def close(loader) -> None:
         loader._ff_ring = None
 
 
-def run(loader_cls, dataset, base: dict, setting: Setting, step, *, tolerance: float,
-        deadline: float, window_s: float = WINDOW_S, first: bool = False) -> Trial:  # fmt: skip
+def run(loader_cls, dataset, base: dict, setting: Setting, step, *, tolerance: float, deadline: float,
+        window_s: float = WINDOW_S, first: bool = False, windows: int | None = None) -> Trial:  # fmt: skip
     """Measure ``setting``: warm-up, then windows until their median is trustworthy.
 
     ``first``: the tuning's first trial, which gets one window whatever the deadline (a
     budget too small still yields an answer).
+    ``windows``: exactly this many windows, whatever their spread (a duel's round: short, its noise
+    answered by the rounds), instead of ``MIN_WINDOWS`` to ``MAX_WINDOWS``.
 
     Raises:
         OutOfTime: ``deadline`` (``time.monotonic()``) passed; its ``trial`` has the windows
@@ -112,11 +115,11 @@ def run(loader_cls, dataset, base: dict, setting: Setting, step, *, tolerance: f
     if setting.total > 0:
         kwargs["persistent_workers"] = True  # windows reuse the workers, across epoch ends too
     return run_made(lambda: loader_cls(dataset, **kwargs), setting, step, tolerance=tolerance, deadline=deadline,
-                    window_s=window_s, first=first)  # fmt: skip
+                    window_s=window_s, first=first, windows=windows)  # fmt: skip
 
 
 def run_made(make: Callable[[], Any], setting: Setting, step, *, tolerance: float, deadline: float,
-             window_s: float = WINDOW_S, first: bool = False) -> Trial:  # fmt: skip
+             window_s: float = WINDOW_S, first: bool = False, windows: int | None = None) -> Trial:  # fmt: skip
     """``run`` for a loader that ``make()`` builds for ``setting`` (a DALI pipeline's, say)."""
     started = time.monotonic()
     trial = Trial(setting)
@@ -124,12 +127,12 @@ def run_made(make: Callable[[], Any], setting: Setting, step, *, tolerance: floa
         # Settings above the cores are tried on purpose: torch's warning about them is noise here.
         warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
         loader = make()
-        return _run(loader, trial, step, tolerance, deadline, window_s, first, started)
+        return _run(loader, trial, step, tolerance, deadline, window_s, first, started, windows)
 
 
-def _run(loader, trial, step, tolerance, deadline, window_s, first, started) -> Trial:
+def _run(loader, trial, step, tolerance, deadline, window_s, first, started, windows=None) -> Trial:
     try:
-        _windows(loader, trial, step_fn(step), tolerance, deadline, window_s, 1 if first else 0)
+        _windows(loader, trial, step_fn(step), tolerance, deadline, window_s, 1 if first else 0, windows)
     except OutOfTime:
         trial.seconds = time.monotonic() - started
         raise OutOfTime(trial if trial.windows else None) from None
@@ -139,7 +142,8 @@ def _run(loader, trial, step, tolerance, deadline, window_s, first, started) -> 
     return trial
 
 
-def _windows(loader, trial: Trial, step, tolerance: float, deadline: float, window_s: float, least: int) -> None:
+def _windows(loader, trial: Trial, step, tolerance: float, deadline: float, window_s: float, least: int,
+             count: int | None = None) -> None:
     it = iter(loader)
     try:
         first = next(it)
@@ -155,8 +159,10 @@ def _windows(loader, trial: Trial, step, tolerance: float, deadline: float, wind
     warm = (loader.num_workers * (loader.prefetch_factor or 0)) + 1
     feed = _Feed(loader, it, step, warm)
     waits, steps = 0.0, 0.0
-    while len(trial.windows) < MIN_WINDOWS or (trial.spread > tolerance and len(trial.windows) < MAX_WINDOWS):
+    fewest, most = (count, count) if count else (MIN_WINDOWS, MAX_WINDOWS)
+    while len(trial.windows) < fewest or (trial.spread > tolerance and len(trial.windows) < most):
         if time.monotonic() > deadline and len(trial.windows) >= least:
+            feed.cpu.settle(trial, workers=bool(pids) and not trial.setting.remote)  # a trial kept has its noise
             raise OutOfTime(trial)
         rate, wait, stepped = feed.window(window_s)
         trial.windows.append(rate)
@@ -164,6 +170,7 @@ def _windows(loader, trial: Trial, step, tolerance: float, deadline: float, wind
     trial.stall_fraction = waits / (waits + steps) if waits + steps > 0 else 0.0
     trial.load_s = load_seconds(loader.stats())
     pids = _worker_pids(loader) or pids
+    feed.cpu.settle(trial, workers=bool(pids) and not trial.setting.remote)
     if pids:
         trial.worker_bytes = private_bytes(pids)
         trial.worker_start_bytes = min(start_bytes, trial.worker_bytes) if start_bytes else trial.worker_bytes
@@ -192,6 +199,7 @@ class _Feed:
         self.loader, self.it, self.step = loader, it, step
         self.wait = self.stepped = 0.0  # seconds in next() and in the step (and the loop)
         self.batches = 0  # taken after the first
+        self.cpu = WindowsCpu()
         for _ in range(warm - 1):  # the first batch was taken already
             self._next()
 
@@ -214,8 +222,9 @@ class _Feed:
 
     def window(self, seconds: float) -> tuple[float, float, float]:
         """(batches/s, Σwait, Σstep) over one window."""
-        wait0, step0 = self.wait, self.stepped
+        wait0 = self.wait
         sync()
+        self.cpu.open()  # outside the timed span: the reading's own cost is no part of the window
         t0 = time.perf_counter()
         n = 0
         while n < WINDOW_BATCHES or time.perf_counter() - t0 < seconds:
@@ -223,4 +232,42 @@ class _Feed:
             n += 1
         sync()
         elapsed = time.perf_counter() - t0
+        self.cpu.close(n)
         return n / elapsed, self.wait - wait0, elapsed - (self.wait - wait0)
+
+
+class WindowsCpu:
+    """The CPU readings of a trial's windows, summed: a meter reading at each window's edges (``noise``).
+
+    Only the windows count, not the warm-up nor the time between windows, as for the batches/s.
+    """
+
+    def __init__(self) -> None:
+        self.meter = CpuMeter()
+        self._start = None
+        self.seconds = self.others_s = self.own_s = self.children_s = 0.0  # others_s: core-seconds
+        self.batches = 0
+
+    def open(self) -> None:
+        """A window begins."""
+        self._start = self.meter.read()
+
+    def close(self, batches: int) -> None:
+        """The window begun at ``open()`` has ended, after ``batches`` batches; the next one may begin here."""
+        end = self.meter.read()
+        u = usage(self._start, end)
+        self._start = end
+        self.seconds += u.seconds
+        self.others_s += u.others_cores * u.seconds
+        self.own_s += u.own_cpu_s
+        self.children_s += u.children_cpu_s
+        self.batches += batches
+
+    def settle(self, trial: Trial, workers: bool) -> None:
+        """Set ``trial``'s ``others_cores`` (over the windows' time), ``loop_cpu_s`` and, with ``workers`` (the
+        loader's local worker processes, none remote: the descendants' CPU is theirs), ``worker_cpu_s``."""
+        if self.seconds > 0:
+            trial.others_cores = self.others_s / self.seconds
+        if self.batches:
+            trial.loop_cpu_s = self.own_s / self.batches
+            trial.worker_cpu_s = self.children_s / self.batches if workers else None

@@ -21,6 +21,7 @@ TIGHT = 0.1  # batches in flight above this share of the budget make memory a co
 # A worker's private memory that grows by more than this over the first trial is copying what it reads of the
 # parent's memory (copy-on-read): its growth is projected over the dataset, not taken as it stood at the end.
 COPY_ON_READ_MIN = 4 << 20
+DUEL_WINDOWS = 2  # a duel's round is a short trial: the rounds, not its windows, answer its noise
 
 log = logging.getLogger("fastfeed")
 
@@ -306,18 +307,19 @@ def tune(dataset, *, step=None, budget_s: float = 60, max_workers: int | None = 
     started = time.monotonic()
     deadline = started + budget_s
     max_remote = remote_actors(remote)
+    cores = rank_cpus(loader_kwargs)
     if max_workers is None:
-        max_workers = 2 * rank_cpus(loader_kwargs)
+        max_workers = 2 * cores
     containers, length = dataset_memory(dataset)
     budget = Budget(memory_budget, containers, length)
     budget.batch_bytes = measure.probe_batch_bytes(DataLoader, dataset, loader_kwargs)
     search = Search(max_workers=max_workers, tolerance=tolerance, worker_types=types,
                     min_workers=min_workers_for(loader_kwargs), fits=budget, tight=budget.tight,
-                    max_remote=max_remote)  # fmt: skip
+                    max_remote=max_remote, cores=cores)  # fmt: skip
 
     def trial_of(setting: Setting, first: bool) -> Trial:
         return measure.run(DataLoader, dataset, loader_kwargs, setting, step, tolerance=tolerance, deadline=deadline,
-                           first=first)  # fmt: skip
+                           first=first, windows=DUEL_WINDOWS if search.in_duel else None)  # fmt: skip
 
     def learn(trial: Trial) -> None:
         budget.learn(trial)
@@ -367,7 +369,9 @@ def _within_memory(search: Search, trial_of, worker_type: str, min_workers: int)
 def drive(search: Search, trial_of: Callable[[Setting, bool], Trial], on_trial=None, learn=None) -> bool:
     """Measure what ``search`` proposes until it is done (True) or the budget runs out (False).
 
-    ``trial_of(setting, first)`` measures one setting and raises ``measure.OutOfTime`` past the deadline.
+    ``trial_of(setting, first)`` measures one setting and raises ``measure.OutOfTime`` past the deadline (it may
+    measure a duel's round, ``search.in_duel``, with a short trial). When the budget runs out, a duel under way
+    decides on the rounds it has.
     """
     while (setting := search.propose()) is not None:
         try:
@@ -377,6 +381,7 @@ def drive(search: Search, trial_of: Callable[[Setting, bool], Trial], on_trial=N
                 search.report(out.trial)
                 if on_trial is not None:
                     on_trial(out.trial, search.trials.get(search.choice()))
+            search.stop()
             return False
         if learn is not None:
             learn(trial)
@@ -408,4 +413,5 @@ def _result(search: Search, converged: bool, elapsed: float, batch_size) -> Tune
         throughput=trial.median, samples_per_s=trial.median * batch_size if batch_size else None,
         stall_fraction=trial.stall_fraction, input_bound=search.input_bound, trials=list(search.order),
         elapsed_s=elapsed, converged=converged and search.done, batch_size=batch_size, remote=chosen.remote,
+        **search.evidence(),
     )  # fmt: skip

@@ -1,5 +1,8 @@
 """``num_workers="auto"`` on a cache miss: tuning on the epoch the user consumes, with the user's step.
 
+On a cache hit the same machinery re-checks the cached setting: ``recheck.Recheck`` takes the
+search's place, and its duels' short trials (``OnlineTuner(windows=...)``) end at their windows.
+
 One epoch's sampler is drawn once, as a fixed setting draws it, and its batch indices are
 dealt out in order to a succession of iterators, one per setting tried: each takes indices
 through a ``_Gate`` until its trial has its windows, then the gate closes, the iterator
@@ -31,7 +34,7 @@ from .. import affinity, stats
 from .._iterator import RingDataLoaderIter
 from .._single import SingleProcessIter
 from . import agree
-from .measure import MAX_WINDOWS, MIN_WINDOWS, WINDOW_BATCHES, batch_bytes, load_seconds, private_bytes
+from .measure import MAX_WINDOWS, MIN_WINDOWS, WINDOW_BATCHES, WindowsCpu, batch_bytes, load_seconds, private_bytes
 from .result import Setting, Trial, TuneResult
 from .search import Search
 
@@ -61,17 +64,28 @@ class _Gate:
 
 
 class _Run:
-    """The trial under way: its warm-up and windows, over batch numbers of the epoch's recorder."""
+    """The trial under way: its warm-up and windows, over batch numbers of the epoch's recorder.
+
+    The CPU meter (``noise``) is read where each window begins and ends, as ``measure`` reads it: the trial gets
+    the noise and the CPU each side spent, the workers' own when they are local processes.
+    """
 
     def __init__(self, trial: Trial, start: int, warm: int, window: int):
         self.trial = trial
         self.window = window  # batches per window (fewer when a window takes WINDOW_S)
         self.mark = start + warm  # where the current window began
         self.waits = self.steps = 0.0
+        s = trial.setting
+        self.cpu = WindowsCpu()
+        self.metering = False  # the first window has begun, and the meter was read there
+        self.workers = s.worker_type == "process" and s.num_workers > 0 and not s.remote  # the descendants' CPU
 
     def update(self, rec: stats.Recorder, tolerance: float) -> bool:
         """Close a window if one is complete; True once the trial has enough windows."""
         n = rec.batches - self.mark
+        if n >= 0 and not self.metering:  # called before each batch: the first window begins with the next one
+            self.cpu.open()
+            self.metering = True
         if n >= WINDOW_BATCHES:
             wait, step = rec.window(self.mark, rec.batches)
             if n >= self.window or wait + step >= WINDOW_S:
@@ -80,6 +94,8 @@ class _Run:
                 total = self.waits + self.steps
                 self.trial.stall_fraction = self.waits / total if total > 0 else 0.0
                 self.mark = rec.batches
+                self.cpu.close(n)  # and the next window begins here
+                self.cpu.settle(self.trial, self.workers)
         t = self.trial
         return len(t.windows) >= MAX_WINDOWS or (len(t.windows) >= MIN_WINDOWS and t.spread <= tolerance)
 
@@ -93,10 +109,16 @@ class OnlineTuner:
         settle: called with the ``TuneResult`` once chosen, and again with the slowest rank's once
             every rank's is in (``agree``; at once without torch.distributed).
         tag: the name of this tuning in the process group's store (``agree``).
+        trials: the trials the search usually takes (each gets its part of the epoch's tuning share).
+        windows: the windows that complete a trial (a recheck's short trials); None: ``_Run``'s own rule, more
+            windows while they spread.
     """
 
-    def __init__(self, search: Search, budget, tolerance: float, settle, tag: str, batch_size: int | None):
+    def __init__(self, search: Search, budget, tolerance: float, settle, tag: str, batch_size: int | None,
+                 trials: int = TRIALS, windows: int | None = None):  # fmt: skip
         self.search = search
+        self.trials = trials
+        self.windows = windows
         self.batch_size = batch_size
         self.budget = budget
         self.tolerance = tolerance
@@ -111,8 +133,11 @@ class OnlineTuner:
         """This rank's choice, published for the other ranks and settled on; returns what was settled on.
 
         That is the slowest rank's result instead when every rank's is in already (this rank
-        was the last), and this rank's own when it is alone.
+        was the last), and this rank's own when it is alone. Unconverged, a duel under way decides on the rounds
+        it has.
         """
+        if not converged:
+            self.search.stop()
         chosen = self.search.choice()
         trial = self.search.trials[chosen]
         self.result = TuneResult(
@@ -120,8 +145,15 @@ class OnlineTuner:
             throughput=trial.median, samples_per_s=trial.median * self.batch_size if self.batch_size else None,
             stall_fraction=trial.stall_fraction, input_bound=self.search.input_bound,
             trials=list(self.search.order), elapsed_s=elapsed_s, converged=converged and self.search.done,
-            batch_size=self.batch_size,
+            batch_size=self.batch_size, **self.search.evidence(),
         )  # fmt: skip
+        hi = getattr(self.search, "hi", None)  # the most workers the search allowed
+        if hi is not None and getattr(self.budget, "worker_bytes", 0):
+            from .offline import limited_by_memory  # offline imports this module's neighbours, not this module
+
+            self.result.memory = self.budget.summary(chosen, hi)
+            if limited_by_memory(self.budget, chosen, self.result.trials, hi):
+                self.result.limited_by = "memory"
         self.own = self.result
         agree.publish(self.result, self.tag)
         agreed = agree.poll(self.tag, self.own)  # this rank may be the last one in (or alone)
@@ -163,7 +195,8 @@ class TuningIter:
         self._tuned = 0  # batches spent on trials this epoch
         self._share = max(1, int(len(loader) * EPOCH_SHARE)) if _sized(loader) else None
         # Batches per trial: the epoch's share split between the trials a search usually takes.
-        self._per_trial = max(WINDOW_BATCHES * (MIN_WINDOWS + 1), (self._share or 0) // TRIALS)
+        self._windows = tuner.windows or MIN_WINDOWS
+        self._per_trial = max(WINDOW_BATCHES * (self._windows + 1), (self._share or 0) // tuner.trials)
         self._run_start = 0
         self._run_began = 0.0
         self._next_poll = 0.0
@@ -268,7 +301,7 @@ class TuningIter:
         self._stats.num_workers, self._stats.prefetch_factor = setting.num_workers, setting.prefetch_factor
         # Warm-up: the batches made while the workers started, at most a quarter of the trial.
         warm = min(setting.num_workers * (setting.prefetch_factor or 0) + 1, self._per_trial // 4)
-        window = max(WINDOW_BATCHES, (self._per_trial - warm) // MIN_WINDOWS)
+        window = max(WINDOW_BATCHES, (self._per_trial - warm) // self._windows)
         self._run = _Run(Trial(setting), self._stats.batches, warm, window) if trial else None
         self._run_start = self._stats.batches
         self._run_began = time.monotonic()
@@ -277,7 +310,7 @@ class TuningIter:
         """Before each batch: close the trial's window, and its gate once it has them all; once this rank has
         settled, look every ``POLL_S`` whether every rank's choice is in (and close the gate to switch)."""
         run = self._run
-        if run is not None and self._gate.open and run.update(self._stats, self._tuner.tolerance):
+        if run is not None and self._gate.open and self._trial_complete(run):
             self._gate.open = False
             current = self._current
             if current._stats is not None:
@@ -291,6 +324,10 @@ class TuningIter:
                 self._next_poll = now + POLL_S
                 if self._tuner.check_ranks():
                     self._gate.open = False  # switch to the slowest rank's choice
+
+    def _trial_complete(self, run: _Run) -> bool:
+        complete = run.update(self._stats, self._tuner.tolerance)  # closes a window, if one is due
+        return complete or (self._tuner.windows is not None and len(run.trial.windows) >= self._tuner.windows)
 
     def _end_trial(self) -> None:
         run, self._run = self._run, None

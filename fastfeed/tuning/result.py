@@ -62,6 +62,13 @@ class Trial:
         samples_per_worker: the samples each worker read between those two readings.
         load_s: seconds a worker spent on one batch (fetch and collate; None with nw=0): what
             loading it in the main process, as ``num_workers=0`` does, would take.
+        others_cores: the mean cores other processes (not this one, not its descendants) kept busy on this rank's
+            CPUs during the windows (``fastfeed.tuning.noise``): the noise; None when not measured.
+        worker_cpu_s: the workers' CPU seconds per batch over the windows (process workers; None for threads,
+            Ray actors and nw=0): near ``load_s`` for CPU-bound samples, far below it for samples that wait.
+        loop_cpu_s: this process's own CPU seconds per batch over the windows (the training loop, the pin thread,
+            and thread workers); None when not measured.
+        repeated: how many times the setting was measured again because others held the cores.
     """
 
     setting: Setting
@@ -74,6 +81,10 @@ class Trial:
     load_s: float | None = None
     worker_start_bytes: int = 0
     samples_per_worker: float = 0.0
+    others_cores: float | None = None
+    worker_cpu_s: float | None = None
+    loop_cpu_s: float | None = None
+    repeated: int = 0
 
     @property
     def growth_bytes(self) -> int:
@@ -100,7 +111,8 @@ class Trial:
     def from_dict(cls, d: dict) -> Trial:
         return cls(Setting(**d["setting"]), list(d["windows"]), d["stall_fraction"], d["skipped"], d["seconds"],
                    d.get("batch_bytes", 0), d.get("worker_bytes", 0), d.get("load_s"), d.get("worker_start_bytes", 0),
-                   d.get("samples_per_worker", 0.0))  # fmt: skip
+                   d.get("samples_per_worker", 0.0), d.get("others_cores"), d.get("worker_cpu_s"), d.get("loop_cpu_s"),
+                   d.get("repeated", 0))  # fmt: skip
 
 
 @dataclass
@@ -128,6 +140,12 @@ class TuneResult:
             ``growth_bytes`` (measured on the first trial), ``projected_growth_bytes`` (the growth expected by the
             time a worker has read the dataset), ``containers`` (the dataset's large Python containers, as
             ``[name, kind, count, est_bytes]``), ``budget_bytes`` and ``max_workers`` (the most that fit).
+        duels: the settings measured in turn before the choice (``fastfeed.tuning.duel.Duel.as_dict()``).
+        noise: what other processes took of this rank's CPUs during the trials: ``mean_cores``, ``max_cores``, and
+            ``repeated`` (trials measured again because others held the cores); None when not read.
+        model: the model of what the cores can run (``Search.model()``): ``cores``, ``cpu_bound``,
+            ``max_useful_workers``, and ``decided`` (True when it moved the choice); None without CPU readings.
+        notes: one line for each thing the duels and the model decided.
     """
 
     num_workers: int
@@ -145,6 +163,10 @@ class TuneResult:
     decided_by: int | None = None
     limited_by: str | None = None
     memory: dict | None = None
+    duels: list = field(default_factory=list)
+    noise: dict | None = None
+    model: dict | None = None
+    notes: list = field(default_factory=list)
 
     @property
     def setting(self) -> Setting:
@@ -161,6 +183,7 @@ class TuneResult:
 
     @classmethod
     def from_dict(cls, d: dict) -> TuneResult:
+        """A saved result; the fields added since (``duels``, ``noise``, ...) take their defaults when absent."""
         fields = {k: v for k, v in d.items() if k != "trials"}
         return cls(**fields, trials=[Trial.from_dict(t) for t in d["trials"]])
 
@@ -184,7 +207,7 @@ class TuneResult:
             head += "\n" + memory
         remote = any(t.setting.remote for t in self.trials)  # a column for the Ray actors, when any were tried
         rows = [f"{'':2}{'nw':>3} " + (f"{'ray':>3} " if remote else "")
-                + f"{'pf':>3} {'type':<8} {'batches/s':>10} {'spread':>7} {'stall':>6} {'windows':>7}"]
+                + f"{'pf':>3} {'type':<8} {'batches/s':>10} {'spread':>7} {'noise':>6} {'stall':>6} {'windows':>7}"]
         chosen = self.setting
         for t in sorted(self.trials, key=lambda t: t.setting):
             s = t.setting
@@ -195,9 +218,21 @@ class TuneResult:
             if t.skipped:
                 rows.append(f"{cells} skipped: {t.skipped}")
             else:
-                rows.append(f"{cells} {t.median:>10,.1f} {t.spread:>7.1%} {t.stall_fraction:>6.1%} "
-                            f"{len(t.windows):>7}")  # fmt: skip
-        return "\n".join([head, *rows])
+                rows.append(f"{cells} {t.median:>10,.1f} {t.spread:>7.1%} {_noise_cell(t):>6} "
+                            f"{t.stall_fraction:>6.1%} {len(t.windows):>7}")  # fmt: skip
+        return "\n".join([head, *rows, *self.evidence_lines()])
+
+    def evidence_lines(self) -> list[str]:
+        """Below the table: the noise seen (others' cores; the table's ``noise`` column is each trial's), each duel,
+        and what the duels and the model decided."""
+        lines = []
+        if self.noise:
+            n = self.noise
+            lines.append(f"noise: other processes held {n['mean_cores']:.2f} cores on average, {n['max_cores']:.2f} "
+                         f"at most; {n['repeated']} trial(s) measured again as noisy")  # fmt: skip
+        lines += [f"duel: {duel_line(d)}" for d in self.duels]
+        lines += [f"note: {n}" for n in self.notes]
+        return lines
 
     def memory_line(self) -> str | None:
         """One line on the memory estimate, led by "memory, not CPU, set the limit" when it did; None without one."""
@@ -217,6 +252,21 @@ class TuneResult:
             line += (f"; the workers copy dataset.{name} ({kind} of {count:,} objects, ~{_mb(est)}) as they read"
                      " it: dataset = fastfeed.share(dataset) holds it once and lets more workers fit")
         return line
+
+
+def _noise_cell(t: Trial) -> str:
+    """Others' cores during a trial, with ``r`` when it was measured again (``-`` when not read)."""
+    if t.others_cores is None:
+        return "-"
+    return f"{t.others_cores:.2f}" + ("r" if t.repeated else "")
+
+
+def duel_line(d: dict) -> str:
+    """A duel from its ``as_dict()``, as ``str(Duel)`` says it: the ratios dear / cheap round by round, the verdict."""
+    rounds = ", ".join(f"{dear / cheap:.2f}x" if cheap > 0 else "inf" for cheap, dear in d.get("rounds", []))
+    said = {"dear": f"{d['dear']} clearly better", "cheap": f"{d['cheap']} as good",
+            "tie": f"no clear winner, {d['cheap']} (cheaper) taken"}.get(d.get("outcome"), "undecided")  # fmt: skip
+    return f"{d['dear']} vs {d['cheap']} ({d.get('reason', '')}), measured in turn: {rounds or '-'}; {said}"
 
 
 def _mb(n) -> str:

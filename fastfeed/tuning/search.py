@@ -16,7 +16,9 @@ The phases:
    the loop could come within ``ZERO_MARGIN`` of the best seen (in-memory data, say).
    the smallest count within ``tolerance`` of the best throughput seen. When the best point
    has an unmeasured gap to a clearly worse right neighbour (too many workers for the
-   cores), the gap is bisected too: the peak may lie inside it.
+   cores), the gap is bisected too: the peak may lie inside it. With CPU readings, counts whose
+   workers could not reach the best even on a core each are not measured (``_out_of_reach``), and
+   for CPU-bound samples the range ends one above what the cores can run (``_model_top``).
 3. **``prefetch_factor``** at the knee, from ``PREFETCH``: 4 first; 8 only when 4 gained
    more than the tolerance; else 1, when memory is tight (a batch less per worker).
 4. **``worker_type``**, when several are allowed, at the chosen counts.
@@ -25,24 +27,47 @@ The phases:
    shortfall sent away). The actor count is bisected over ``[1, max_remote]`` as ``num_workers``
    was, the choice so far standing for 0 actors: the smallest count within ``tolerance`` of the
    best, and the gap to a clearly worse right neighbour (the loop receiving no faster) bisected too.
-6. **Confirmation**: a choice that trails the best measured setting by more than half the
-   tolerance is measured again, its windows added to its first trial's, and the choice made anew.
+6. **Duels** (``fastfeed.tuning.duel``), at most ``MAX_DUELS``: two settings measured in turn (short trials) until
+   one is clearly better, instead of believing medians measured a minute apart. In order:
+   a. the best measured setting against the choice (the cheapest within tolerance of it, by one trial each):
+      when the best wins clearly, the cheapest within tolerance of it on its line (fewer workers) is the choice;
+   b. for CPU-bound samples (``model()``), a choice with more workers than the cores can run
+      (``max_useful_workers``) against that many (measured first when it was not): it is kept only if it wins
+      clearly. Before (c), so that the bound on duels never starves it;
+   c. the choice against its measured cheaper neighbour (one worker fewer), when within the noise band below it
+      (``_band``).
 
-The choice is always the cheapest measured setting (fewest Ray actors, then fewest workers,
+Throughout, **noise**: a trial during which other processes held more than ``NOISY_CORES`` cores above the
+quietest trial's is measured again (while noisy, up to ``MAX_REPEATS`` times), and the quietest believed
+(``Trial.repeated``), not merged; a duel's figure likewise. Load that is steady over every trial repeats nothing:
+the trials stay comparable.
+
+Until the duels, the choice is the cheapest measured setting (fewest Ray actors, then fewest workers,
 then least prefetch, then the first worker type listed) within ``tolerance`` of the best one measured (its median
-less half its spread, up to half the tolerance: see ``_bar``).
+less half its spread, up to half the tolerance: see ``_bar``); after them, the last duel's winner.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 from typing import Callable
 
+from .duel import Duel
 from .result import Setting, Trial
 
 NOT_INPUT_BOUND = 0.02  # stall fraction below which loading is not the bottleneck
 ZERO_MARGIN = 0.8  # num_workers=0 is measured when its estimate reaches this share of the best
 PREFETCH = (1, 2, 4, 8)
 DEFAULT_PREFETCH = 2
+NOISY_CORES = 0.5  # others' cores above the quietest trial's that make a trial noisy: it is measured again
+# ... up to this many times while it stays noisy: a burst that outlasts one trial (a neighbour's build) often
+# outlasts the next too, and a figure believed from inside one can hand the choice to the wrong setting.
+MAX_REPEATS = 2
+MAX_DUELS = 2
+CPU_BOUND = 0.7  # the workers' CPU time over their time per batch from which samples count as CPU-bound
+MIN_CORE_SHARE = 0.05  # the least share of a core a worker is taken to have had (cores all taken by others)
+MAX_BAND = 0.25  # the widest noise band: settings further apart than this are not dueled, whatever the spread
 
 
 class Search:
@@ -59,12 +84,17 @@ class Search:
     tight: ``tight(setting)`` -> whether its memory is a concern (a large share of the budget):
         only then is ``prefetch_factor=1`` tried, to save a batch per worker.
     max_remote: the most Ray actors tried beside the local workers (0: none, the remote phase is skipped).
+    cores: the CPUs this rank may use (``offline.rank_cpus``), for the model of what more workers can give; None:
+        no model.
+
+    After the search, ``duels`` holds the duels run, ``notes`` a line on what each, and the model, decided.
+    ``in_duel`` says whether the last proposal is a duel's round (the driver may measure it with a short trial).
     """
 
     def __init__(
         self, *, max_workers: int, tolerance: float, worker_types=("process",), num_workers: int | None = None,
         prefetch_factor: int | None = None, min_workers: int = 0, fits: Callable[[Setting], str | None] | None = None,
-        tight: Callable[[Setting], bool] | None = None, max_remote: int = 0,
+        tight: Callable[[Setting], bool] | None = None, max_remote: int = 0, cores: float | None = None,
     ):  # fmt: skip
         self.tolerance = tolerance
         self.max_remote = max_remote
@@ -81,7 +111,20 @@ class Search:
         self.input_bound = True
         self._phase = "check"
         self._small: Setting | None = None
-        self._confirmed: set[Setting] = set()  # measured a second time (see _confirm)
+        self.cores = cores
+        self.duels: list[Duel] = []
+        self.notes: list[str] = []
+        self.in_duel = False
+        self._duel: Duel | None = None  # the duel under way
+        self._held: Trial | None = None  # a duel's noisy figure (the quietest), until it is measured again
+        self._takes = 0  # ... and how many times it was
+        self._winner: Setting | None = None  # the last duel's winner: the choice after the duels
+        self._lost: set[Setting] = set()  # cheaper settings a duel found clearly worse
+        self._repeating: Setting | None = None  # a noisy trial being measured again
+        self._repeated: dict[Setting, int] = {}  # times each setting was measured again as noisy
+        self._others: list[float] = []  # others' cores of every trial measured, duels' and repeats' included
+        self._retaken = 0  # duel figures measured again because they were noisy
+        self._model_decided = False
 
     # -- settings ---------------------------------------------------------------------------
 
@@ -125,8 +168,22 @@ class Search:
     # -- the protocol -----------------------------------------------------------------------
 
     def report(self, trial: Trial) -> None:
-        """Record a measured (or skipped) setting; a second trial of one adds its windows to the first's."""
+        """Record a measured (or skipped) setting.
+
+        A duel's round goes to the duel (its figures are paired, not a setting's trial); a noisy trial's repeat
+        replaces it when quieter; any other second trial of a setting adds its windows to the first's.
+        """
+        if trial.windows and trial.others_cores is not None:
+            self._others.append(trial.others_cores)
+        if self.in_duel and self._duel is not None and trial.setting == self._duel.next():
+            self._duel_figure(trial)
+            return
         known = self.trials.get(trial.setting)
+        if known is not None and trial.setting == self._repeating:
+            self._repeating = None
+            if trial.windows:
+                self._believe_quieter(known, trial)
+            return
         if known is not None and known.windows and trial.windows:
             n, m = len(known.windows), len(trial.windows)
             known.stall_fraction = (known.stall_fraction * n + trial.stall_fraction * m) / (n + m)
@@ -138,10 +195,46 @@ class Search:
 
     def propose(self) -> Setting | None:
         """The next setting to measure, or None when the search is done."""
+        self.in_duel = False
+        noisy = self._noisy_trial()
+        if noisy is not None:
+            self._repeating = noisy.setting
+            self._repeated[noisy.setting] = self._repeated.get(noisy.setting, 0) + 1
+            return noisy.setting
         while True:
             step = getattr(self, f"_{self._phase}")()
             if step is not _NEXT_PHASE:
+                self.in_duel = self._duel is not None and step == self._duel.next()
                 return step
+
+    # -- noise --------------------------------------------------------------------------------
+
+    def _quietest(self) -> float | None:
+        return min(self._others, default=None)
+
+    def _noisy(self, trial: Trial) -> bool:
+        """Whether others held the cores during ``trial`` more than during the quietest one (by ``NOISY_CORES``)."""
+        quietest = self._quietest()
+        return trial.others_cores is not None and quietest is not None and trial.others_cores > quietest + NOISY_CORES
+
+    def _noisy_trial(self) -> Trial | None:
+        """A measured trial to measure again because it was noisy (each setting up to ``MAX_REPEATS`` times); none
+        while a duel is under way (its rounds stay paired) or once the search is done."""
+        if self._duel is not None or self._phase == "done":
+            return None
+        for t in self._measured():
+            if self._repeated.get(t.setting, 0) < MAX_REPEATS and self._noisy(t):
+                return t
+        return None
+
+    def _believe_quieter(self, known: Trial, again: Trial) -> None:
+        """Of a noisy trial and its repeat, the quieter stands for the setting (they are not merged: the noisy
+        one's windows are what is not to be believed)."""
+        quieter = again if _others(again) < _others(known) else known
+        quieter.repeated = known.repeated + 1
+        if quieter is again:
+            self.trials[known.setting] = again
+            self.order[self.order.index(known)] = again
 
     def _check(self):
         if self._small is None:
@@ -207,14 +300,42 @@ class Search:
             proposal = self._new(zero)
             if proposal is not None:
                 return proposal
-        proposal, self.hi = self._fitting_top(self.hi, self.lo, self._setting)
+        top = self._model_top()
+        proposal, fits = self._fitting_top(top, self.lo, self._setting)
+        if fits < top or top == self.hi:  # over the memory budget above ``fits``
+            self.hi = fits
         if proposal is not None:
             return proposal
         trials = self._curve()
         if not trials:
             return None
         curve = {nw: t.median for nw, t in trials.items()}
-        return self._refine(curve, self._bar(trials.values()), self.lo - 1, self._setting)
+        bar = self._bar(trials.values())
+        return self._refine({**self._out_of_reach(bar, fits), **curve}, bar, self.lo - 1, self._setting)
+
+    def _model_top(self) -> int:
+        """The top of the ``num_workers`` range to search: for CPU-bound samples (``model``), one more than the
+        cores can run, which shows the decline, unless that one measured the best (the model fell short: the whole
+        range then)."""
+        model = self.model()
+        if not model or not model["cpu_bound"] or self.fixed_nw is not None:
+            return self.hi
+        top = max(self.lo, model["max_useful_workers"] + 1)
+        measured = self._curve()
+        if top >= self.hi or (top in measured and max(measured.values(), key=lambda t: t.median) is measured[top]):
+            return self.hi
+        return top
+
+    def _out_of_reach(self, bar: float, top: int) -> dict[int, float]:
+        """Counts up to ``top`` that cannot reach ``bar`` by the workers' CPU time, with the most they could give:
+        ``n`` workers make at most ``n`` batches per ``worker_cpu_s`` (each runs on one core at a time). These need
+        no trial. Taken with the least CPU time per batch read, and ``MAX_BAND`` to spare, for the readings' noise.
+        """
+        cpu = [t.worker_cpu_s for t in self._measured() if t.worker_cpu_s and t.setting.num_workers > 0]
+        if not cpu:
+            return {}
+        per_worker = 1 / min(cpu)
+        return {n: n * per_worker for n in range(max(1, self.lo), top + 1) if n * per_worker < (1 - MAX_BAND) * bar}
 
     def _fitting_top(self, hi: int, lo: int, setting_for) -> tuple[Setting | None, int]:
         """The largest count in ``lo < n <= hi`` whose setting fits (the top of the range; those over the budget
@@ -277,7 +398,7 @@ class Search:
                 proposal = self._new(Setting(wt, chosen.num_workers, chosen.prefetch_factor))
                 if proposal is not None:
                     return proposal
-        self._phase = "remote" if self.max_remote > 0 else "confirm"
+        self._phase = "remote" if self.max_remote > 0 else "duels"
         return _NEXT_PHASE
 
     def _with_remote(self, remote: int) -> Setting:
@@ -291,7 +412,7 @@ class Search:
         proposal = self._next_remote()
         if proposal is not None:
             return proposal
-        self._phase = "confirm"
+        self._phase = "duels"
         return _NEXT_PHASE
 
     def _next_remote(self) -> Setting | None:
@@ -311,22 +432,160 @@ class Search:
         curve[0] = self.trials[self._local]
         return self._refine({r: t.median for r, t in curve.items()}, self._bar(curve.values()), 0, self._with_remote)
 
-    def _confirm(self):
-        """A choice cheaper than the best measured is measured once more before it is taken.
-
-        Within tolerance of the best by one trial's median may be luck: on a busy machine a
-        setting's figure moves a few percent from one start to the next (where the scheduler
-        put its workers), more than between the windows of one trial.
-        """
-        chosen = self.choice()
-        best = max(self._measured(), key=lambda t: t.median, default=None)
-        if chosen is not None and best is not None and chosen not in self._confirmed:
-            margin = self.trials[chosen].median / best.median
-            if margin < 1 - self.tolerance / 2:  # in the band where one start's luck decides
-                self._confirmed.add(chosen)
-                return chosen
+    def _duels(self):
+        """Duels in turn, each decided before the next is chosen (see the module's doc), at most ``MAX_DUELS``."""
+        while True:
+            if self._duel is not None:
+                proposal = self._duel.next()
+                if proposal is not None:
+                    return proposal
+                self._settle(self._duel)
+            if len(self.duels) >= MAX_DUELS:
+                break
+            step = self._next_duel()
+            if isinstance(step, Setting):  # measured first, as an ordinary trial
+                return step
+            if step is None:
+                break
+            self._duel = step
+            self.duels.append(step)
         self._phase = "done"
         return _NEXT_PHASE
+
+    def _settle(self, duel: Duel) -> None:
+        """A decided duel: its winner is the choice, and a note says why."""
+        self._duel, self._held, self._takes = None, None, 0
+        self._winner = duel.winner
+        said = {"dear": f"{duel.dear} clearly better", "cheap": f"{duel.cheap} as good, the cheaper taken",
+                "tie": "tie, the cheaper taken"}[duel.outcome]  # fmt: skip
+        if duel.outcome == "dear":
+            self._lost.add(duel.cheap)
+            if duel.reason.startswith(_BEST):
+                # The choice fell short of the best: the cheapest within tolerance of the best on the best's own
+                # line (its prefetch, type and actors; fewer workers) and dearer than the choice takes its place:
+                # a duel against one setting with many more workers says nothing against the counts between.
+                b, cost = duel.dear, self._cost(duel.cheap)
+                bar = self._bar(self._measured())
+                line = [t.setting for t in self._measured() if t.median >= bar and cost < self._cost(t.setting)
+                        and (t.setting.prefetch_factor, t.setting.worker_type, t.setting.remote)
+                        == (b.prefetch_factor, b.worker_type, b.remote) and t.setting.num_workers <= b.num_workers]
+                self._winner = min(line, key=self._cost, default=b)
+                if self._winner != duel.dear:
+                    said += f"; {self._winner}, the next cheapest within {self.tolerance:.0%} of it, taken"
+        self.notes.append(f"{duel.dear} vs {duel.cheap} measured in turn ({duel.reason}): {said}")
+        if duel.reason.startswith(_MODEL) and duel.outcome != "dear":
+            self._model_decided = True
+            model = self.model()
+            self.notes.append(f"the model decided: {duel.dear} is more workers than {_cores(self.cores)} can run for "
+                              f"CPU-bound samples (at most {model['max_useful_workers']} useful), and it did not "
+                              f"measure clearly better than {duel.cheap}")  # fmt: skip
+
+    def _dueled(self, a: Setting, b: Setting) -> bool:
+        return any({d.cheap, d.dear} == {a, b} for d in self.duels)
+
+    def _next_duel(self) -> Duel | Setting | None:
+        """The next duel worth running, a setting the model's duel needs measured first, or None."""
+        measured = self._measured()
+        if not measured:
+            return None
+        chosen = self.choice()
+        best = max(measured, key=lambda t: t.median)
+        if best.setting != chosen and not self.duels:  # (a): the first duel, or none
+            # Within tolerance of the best by one trial each (the bar), so within the noise of each other.
+            return Duel(chosen, best.setting, self.tolerance, f"{_BEST} vs the cheapest within {self.tolerance:.0%}")
+        model = self.model()
+        if (model and model["cpu_bound"] and self.fixed_nw is None and not chosen.remote
+                and chosen.num_workers > model["max_useful_workers"]):  # fmt: skip
+            useful = Setting(chosen.worker_type, model["max_useful_workers"], chosen.prefetch_factor)  # (b)
+            if useful not in self.trials:
+                proposal = self._new(useful)
+                if proposal is not None:
+                    return proposal
+            if self.trials[useful].windows and not self.trials[useful].skipped and not self._dueled(useful, chosen):
+                return Duel(useful, chosen, self.tolerance, f"{_MODEL}: {model['max_useful_workers']} workers use "
+                            f"{_cores(self.cores)}")  # fmt: skip
+        if chosen.num_workers > self.lo:  # (c)
+            n = chosen.num_workers - 1
+            cheaper = Setting(chosen.worker_type, n, chosen.prefetch_factor, chosen.remote) if n else self._setting(0)
+            near = self.trials.get(cheaper)
+            if (near is not None and near.windows and not near.skipped and cheaper not in self._lost
+                    and not self._dueled(cheaper, chosen)):  # fmt: skip
+                if near.median >= (1 - self._band(near, self.trials[chosen])) * self.trials[chosen].median:
+                    return Duel(cheaper, chosen, self.tolerance, "one worker fewer, within the noise")
+        return None
+
+    def _band(self, a: Trial, b: Trial) -> float:
+        """How far apart two trials' medians may be and still be the same within the noise: the tolerance, or the
+        mean of their windows' spreads when that is wider (up to ``MAX_BAND``)."""
+        return max(self.tolerance, min(MAX_BAND, (a.spread + b.spread) / 2))
+
+    def _duel_figure(self, trial: Trial) -> None:
+        """A duel's round: a noisy figure is measured again (up to ``MAX_REPEATS`` times), the quietest recorded."""
+        if self._held is not None and _others(self._held) <= _others(trial):
+            trial = self._held
+        if self._noisy(trial) and self._takes < MAX_REPEATS:
+            self._held = trial
+            self._takes += 1
+            self._retaken += 1
+            return
+        self._held, self._takes = None, 0
+        self._duel.record(trial.setting, trial.median)
+
+    def stop(self) -> None:
+        """No more can be measured (the budget ran out): a duel under way decides on the rounds it has."""
+        if self._duel is not None:
+            if self._held is not None:  # the noisy figure, for want of a quieter one
+                self._duel.record(self._held.setting, self._held.median)
+            self._duel.forfeit()
+            self._settle(self._duel)
+        self.in_duel = False
+
+    def evidence(self) -> dict:
+        """``TuneResult``'s fields on how the choice was made: the duels, the noise seen, the model, the notes."""
+        return {"duels": [d.as_dict() for d in self.duels], "noise": self.noise(), "model": self.model(),
+                "notes": list(self.notes)}  # fmt: skip
+
+    # -- the model ----------------------------------------------------------------------------
+
+    def model(self) -> dict | None:
+        """What the cores can run, from the trials' CPU readings, or None without them (or without ``cores``).
+
+        ``cpu_bound``: the workers spent at least ``CPU_BOUND`` of their time per batch on the CPU (in the trial
+        where they did most). Then each worker keeps that share of a core busy, the loop its own CPU per batch
+        times the batches/s, and ``max_useful_workers`` is how many workers the cores left beside the loop can run
+        at once.
+        """
+        if not self.cores:
+            return None
+        read = [t for t in self._measured() if t.worker_cpu_s and t.load_s and t.setting.num_workers > 0]
+        if not read:
+            return None
+        # The largest share read, of the CPU each worker could get: workers sharing too few cores wait for one,
+        # which lowers their share of their time per batch (it grows, their CPU time does not), so it is taken
+        # over the part of a core each could have had: the cores less others' load and the loop's, split between
+        # the workers. On a busy machine, CPU-bound workers get a fraction of a core each and use all of it.
+        share = max(min(1.0, t.worker_cpu_s / t.load_s / self._could_get(t)) for t in read)
+        best = max(read, key=lambda t: t.median)
+        loop = (best.loop_cpu_s or 0.0) * best.median  # cores the loop keeps busy at the best rate read
+        # Rounded to the nearest: a worker that would get less than half a core adds less than it costs in
+        # switching (and a cheaper count it must beat clearly only costs a duel).
+        useful = max(1, math.floor((self.cores - loop) / share + 0.5))
+        return {"cores": self.cores, "cpu_bound": share >= CPU_BOUND, "max_useful_workers": useful,
+                "decided": self._model_decided}  # fmt: skip
+
+    def _could_get(self, t: Trial) -> float:
+        """The share of a core each of ``t``'s workers could have had: the cores left by other processes (the
+        trial's ``others_cores``) and the loop, split between them, at most one each."""
+        loop = (t.loop_cpu_s or 0.0) * t.median
+        left = self.cores - (t.others_cores or 0.0) - loop
+        return min(1.0, max(MIN_CORE_SHARE, left / t.setting.num_workers))
+
+    def noise(self) -> dict | None:
+        """Others' cores over every trial measured (duels' and repeats' included), or None when not read."""
+        if not self._others:
+            return None
+        return {"mean_cores": round(statistics.fmean(self._others), 3), "max_cores": round(max(self._others), 3),
+                "repeated": sum(self._repeated.values()) + self._retaken}
 
     def _done(self):
         return None
@@ -338,7 +597,10 @@ class Search:
     # -- the answer -------------------------------------------------------------------------
 
     def choice(self) -> Setting | None:
-        """The cheapest measured setting within tolerance of the best one (None before any)."""
+        """The last duel's winner; before any duel decided, the cheapest measured setting within tolerance of the
+        best one (None before any)."""
+        if self._winner is not None:
+            return self._winner
         measured = self._measured()
         if not measured:
             return None
@@ -352,3 +614,13 @@ class Search:
 
 
 _NEXT_PHASE = object()  # a phase is over: ask the next one
+_MODEL = "the model"  # how a duel the model asked for is named
+_BEST = "the best measured"  # ... and one of the best against the choice
+
+
+def _others(trial: Trial) -> float:
+    return trial.others_cores or 0.0
+
+
+def _cores(cores: float) -> str:
+    return f"{cores:g} core" + ("" if cores == 1 else "s")

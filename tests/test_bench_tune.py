@@ -1,0 +1,139 @@
+"""The tuner's benchmark (fastfeed/bench/suites/tune.py): the arithmetic its verdicts rest on (the knee, the head to
+head's quality, a workload's row), its busy loops' lifetime, and its rows in the report's table, CSV and plot."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fastfeed.bench import plot, report
+from fastfeed.bench.suites import tune
+from fastfeed.tuning.result import Setting
+
+
+def S(nw: int, pf: int | None = 2) -> Setting:
+    return Setting("process", nw, None if nw == 0 else pf)
+
+
+def test_knee_is_the_fewest_workers_within_tolerance_of_the_best():
+    figures = {S(0): 40.0, S(1, 2): 70.0, S(2, 1): 95.0, S(2, 4): 98.0, S(3, 8): 100.0, S(4, 2): 99.0}
+    assert tune.best(figures) == S(3, 8)
+    assert tune.knee(figures) == 2  # 98 is within 3% of 100, whatever prefetch got it
+    assert tune.knee(figures, tolerance=0.01) == 3
+    assert tune.knee({S(0): 100.0, S(1): 101.0}) == 0
+
+
+def test_head_to_head_reverses_the_order_each_round_so_a_drift_cancels():
+    """A machine slowing down by 5% a trial: A B B A gives both settings the same mean position in time, so their
+    means' ratio is the true one; A B A B would charge the drift to the later one."""
+    tuned, grid_best = S(2, 2), S(3, 8)
+    true = {tuned: 90.0, grid_best: 100.0}
+    calls = []
+
+    def measure(s):
+        calls.append(s)
+        return true[s] * (1 - 0.05 * (len(calls) - 1))
+
+    duel = tune.head_to_head(measure, tuned, grid_best, rounds=2)
+    assert calls == [tuned, grid_best, grid_best, tuned]
+    assert tune.quality(duel) == pytest.approx(0.9)
+    a_b_a_b = [true[tuned] * (1 - 0.05 * t) for t in (0, 2)], [true[grid_best] * (1 - 0.05 * t) for t in (1, 3)]
+    assert tune.quality({"tuned": a_b_a_b[0], "best": a_b_a_b[1]}) > 0.91  # the order is what removes the bias
+
+
+def test_the_grid_best_chosen_is_quality_one_without_a_measurement():
+    calls = []
+    duel = tune.head_to_head(calls.append, S(2), S(2), rounds=4)
+    assert calls == [] and tune.quality(duel) == 1.0
+
+
+def _run(cond, quality, nw, knee, time_ratio, noise=None, duels=0, chosen=None):
+    return dict(condition=cond, quality=quality, nw=nw, knee=knee, time_ratio=time_ratio, tune_s=time_ratio * 50,
+                noise=noise, duels=duels, chosen=chosen or str(S(nw)), input_bound=True, converged=True)
+
+
+GRIDS = {"quiet": dict(best="nw=2 pf=4 process", knee=2, seconds=50.0, figures={"nw=2 pf=4 process": 100.0}),
+         "busy": dict(best="nw=2 pf=2 process", knee=1, seconds=60.0, figures={"nw=2 pf=2 process": 60.0})}
+
+
+def test_a_workload_row_keeps_the_worst_run_and_the_split():
+    runs = [_run("quiet", 1.0, 2, 2, 0.2), _run("busy", 0.93, 3, 1, 0.3, {"max_cores": 1.8, "repeated": 2}, 1),
+            _run("quiet", 0.97, 2, 2, 0.25), _run("busy", 0.99, 2, 1, 0.28, {"max_cores": 1.2, "repeated": 1}, 2)]
+    row = tune.summarize("(a) cpu", runs, GRIDS, None)
+    assert row["quality"] == {"min": 0.93, "median": pytest.approx(0.98), "max": 1.0}
+    assert row["by_condition"]["quiet"]["quality"]["min"] == 0.97 and row["by_condition"]["busy"]["runs"] == 2
+    assert [row["by_condition"][c]["nw_over_knee_max"] for c in ("quiet", "busy")] == [0, 2]
+    assert row["nw_over_knee_max"] == 2 and (row["chosen_nw"], row["grid_knee"]) == (3, 1)  # the busy run's knee
+    assert row["time"]["max"] == row["time_ratio"] == 0.3 and row["throughput_ratio"] == 0.93
+    assert row["noise_max_cores"] == 1.8 and row["noise_repeated"] == 3 and row["duels"] == 3
+    assert row["agreement"] == pytest.approx(0.07)
+    assert row["grid"] == GRIDS["quiet"]["figures"]
+    bare = tune.summarize("(d) memory", [_run("quiet", 1.0, 0, 0, 0.2)], {"quiet": GRIDS["quiet"]}, None)
+    assert bare["noise_max_cores"] is None and bare["noise_repeated"] is None  # a tuner that reports no noise
+
+
+def test_rows_reach_the_table_the_csv_and_the_plot():
+    runs = [_run("quiet", 1.0, 2, 2, 0.2), _run("busy", 0.93, 3, 1, 0.3, {"max_cores": 1.8, "repeated": 2}, 1)]
+    row = tune.summarize("(a) cpu", runs, GRIDS, None)
+    table = tune.markdown([row])
+    assert "| (a) cpu | quiet: nw=2 pf=4 process (nw=2); busy: nw=2 pf=2 process (nw=1) |" in table
+    assert "| **0.93x** | 0.97x | 1.00x / 0.93x | 0.30x | +2 | 1.80 (2) | 1 |" in table
+    rep = {"workloads": {"tune": {"kind": "tune", "result": {"rows": [row]}}}}
+    figs = {r["figure"]: r for r in report.figure_rows(rep)}
+    assert (figs["throughput"]["min"], figs["throughput"]["max"]) == (0.93, 1.0)
+    assert figs["tune_time"]["max"] == 0.3
+    (bar,) = plot._tune_bars("tune", {"rows": [row]})["bars"]
+    assert bar[2:] == (0.93, 0.93, 1.0) and "worst of 2 runs" in bar[0]
+
+
+def test_rows_of_the_earlier_reruns_keep_their_table():
+    old = dict(workload="(a) cpu", grid_best="nw=3 pf=8 process", grid_knee=3, chosen=["nw=3 pf=2 process"] * 3,
+               throughput_ratio=0.95, time_ratio=0.29, tune_s=[12.9], grid_s=44.0, agreement=0.06)
+    assert "| (a) cpu | nw=3 pf=8 process | nw=3 | nw=3 pf=2 process | 0.95x | 0.29x" in tune.markdown([old])
+    rep = {"workloads": {"tune": {"kind": "tune", "result": {"rows": [old]}}}}
+    assert [r["median"] for r in report.figure_rows(rep)] == [0.95, 0.29]
+
+
+def test_workloads_by_name_or_letter():
+    assert [tune._letter(w) for w in ("cpu", "b", "step", "memory")] == ["a", "b", "c", "d"]
+    with pytest.raises(Exception, match="no workload 'disk'"):
+        tune._letter("disk")
+
+
+def _alive(pid: int) -> bool:
+    """Running: not gone, and not a zombie waiting for its new parent to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_busy_loops_spin_during_the_block_and_are_reaped_however_it_ends():
+    with pytest.raises(RuntimeError):
+        with tune.condition("busy") as procs:
+            assert len(procs) == tune.BUSY_LOOPS and all(p.poll() is None for p in procs)
+            raise RuntimeError("a measurement failed")
+    assert all(p.returncode is not None for p in procs)
+    with tune.condition("quiet") as none:
+        assert none == []
+
+
+def test_a_busy_loop_whose_parent_died_ends_on_its_own():
+    """A run killed before its finally: its loops notice their parent gone and stop, rather than spin forever."""
+    starter = ("import os, subprocess, sys\n"
+               f"p = subprocess.Popen([sys.executable, '-c', {tune.SPIN!r}, str(os.getpid())],\n"
+               "                     stdout=subprocess.DEVNULL)\n"
+               "print(p.pid)")  # the loop must not hold this pipe open: run() waits for its end
+    parent = subprocess.run([sys.executable, "-c", starter], capture_output=True, text=True, timeout=60, check=True)
+    pid = int(parent.stdout)
+    deadline = time.monotonic() + 30  # a hang guard, not a bound: it checks every 100,000 iterations
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _alive(pid):
+        os.kill(pid, 9)
+        pytest.fail(f"busy loop {pid} went on spinning after its parent exited")

@@ -1,0 +1,309 @@
+"""The tuner on a noisy machine: noisy trials measured again, close settings measured in turn (duels), the model of
+what the cores can run, and a simulated noisy machine over four workloads. Pure: synthetic trials, no loader."""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+
+import fastfeed
+from fastfeed import cli
+from fastfeed.tuning import measure, offline
+from fastfeed.tuning.duel import MAX_ROUNDS
+from fastfeed.tuning.result import Setting, Trial, TuneResult
+from fastfeed.tuning.search import MAX_DUELS, Search
+
+pytestmark = pytest.mark.fastfeed_only
+
+QUIET = 0.1  # others' cores on a quiet machine
+BURST = 1.5  # ... while a neighbour's burst holds the cores
+
+
+def cpu2(n: int) -> float:
+    """CPU-bound samples on 2 cores (the issue's figures): 2 workers are the knee, 3 and 4 oversubscribe them."""
+    return {0: 55.0, 1: 62.0, 2: 117.0, 3: 95.0, 4: 88.0}[n]
+
+
+def readings(rate, cpu_s=None, loop_s=0.001):
+    """The CPU readings a trial of ``rate(nw)`` carries: CPU-bound workers (``cpu_s`` per batch, busy all their time
+    per batch) or, with ``cpu_s`` None, none."""
+    if cpu_s is None:
+        return lambda s: {}
+    return lambda s: ({"worker_cpu_s": cpu_s, "load_s": s.num_workers / rate(s.num_workers), "loop_cpu_s": loop_s}
+                      if s.num_workers else {"loop_cpu_s": loop_s})  # fmt: skip
+
+
+def drive(search: Search, figure, cpu=lambda s: {}, others=lambda s, n: QUIET, stall=0.5) -> Search:
+    """Run ``search`` to its end: the ``n``-th measurement of a setting (``n`` counted from 0 over ordinary trials
+    and duel rounds alike) reads ``figure(setting, n, in_duel)`` batches/s in each window, with ``others(setting,
+    n)`` of others' cores."""
+    seen: dict[Setting, int] = {}
+    for _ in range(200):  # a search that never ends fails here, not by hanging
+        s = search.propose()
+        if s is None:
+            return search
+        n = seen[s] = seen.get(s, -1) + 1
+        level = figure(s, n, search.in_duel)
+        windows = [level] * (2 if search.in_duel else 3)
+        search.report(Trial(s, windows, stall_fraction=stall, others_cores=others(s, n), **cpu(s)))
+    raise AssertionError("the search proposed 200 settings")
+
+
+def test_a_noisy_trial_is_measured_again_and_the_quiet_figure_believed():
+    """A burst during nw=4's first trial (0.6x, others holding 1.5 cores): measured again, the quiet figure stands for
+    the setting (not merged with the burst's), and the choice is the true best."""
+    rate = lambda n: n * 50.0 if n else 20.0  # noqa: E731  latency-bound: more workers, more batches
+    burst = lambda s, n: s == Setting("process", 4, 2) and n == 0  # noqa: E731
+    search = drive(Search(max_workers=4, tolerance=0.03), lambda s, n, duel: rate(s.num_workers) * (
+        0.6 if burst(s, n) else 1.0), others=lambda s, n: BURST if burst(s, n) else QUIET)  # fmt: skip
+    four = search.trials[Setting("process", 4, 2)]
+    assert four.repeated == 1 and four.others_cores == QUIET and four.median == 200.0
+    assert len(four.windows) == 3  # replaced, not merged
+    assert search.choice().num_workers == 4
+    assert search.noise()["repeated"] == 1 and search.noise()["max_cores"] == BURST
+
+
+def test_steady_load_repeats_nothing():
+    """Others holding the cores through every trial alike: the trials are comparable, none is measured again."""
+    rate = lambda n: n * 50.0 if n else 20.0  # noqa: E731
+    search = drive(Search(max_workers=4, tolerance=0.03), lambda s, n, duel: rate(s.num_workers),
+                   others=lambda s, n: BURST)  # fmt: skip
+    assert all(t.repeated == 0 for t in search.order) and search.noise()["repeated"] == 0
+
+
+def test_two_counts_within_noise_end_with_the_cheaper():
+    """CPU-bound, nw=2 and nw=3 on 2 cores truly alike, nw=3's one trial 4% high (so the only one within tolerance
+    of it): measured in turn, nw=2 is taken, and a note says so."""
+    rate = lambda n: {0: 55.0, 1: 62.0, 2: 117.0, 3: 116.0, 4: 110.0}[n]  # noqa: E731
+    high = lambda s, n, duel: rate(s.num_workers) * (1.04 if s.num_workers == 3 and n == 0 else 1.0)  # noqa: E731
+    search = drive(Search(max_workers=4, tolerance=0.03, cores=2), high, cpu=readings(rate, 0.97 / 62))
+    assert search.choice() == Setting("process", 2, 2)
+    assert any(d.cheap == Setting("process", 2, 2) and d.outcome in ("cheap", "tie") for d in search.duels)
+    assert any("nw=2 pf=2 process as good" in n or "tie, the cheaper taken" in n for n in search.notes)
+
+
+def test_a_dearer_setting_clearly_better_in_every_round_wins():
+    """prefetch 4 truly 8% better, its one trial only 2% (within tolerance, so the cheaper prefetch 2 was the choice
+    by the bar): measured in turn it wins every round, and is taken."""
+    def figure(s, n, duel):
+        gain = 1.0 if s.prefetch_factor != 4 else (1.08 if duel else 1.02)
+        return min(s.num_workers, 2) * 100.0 * gain if s.num_workers else 40.0
+
+    search = drive(Search(max_workers=4, tolerance=0.03), figure)
+    assert search.choice() == Setting("process", 2, 4)
+    duel = next(d for d in search.duels if d.dear == Setting("process", 2, 4))
+    assert duel.outcome == "dear" and len(duel.rounds) >= 2 and all(r > 1.03 for r in duel.ratios)
+    assert any("nw=2 pf=4 process clearly better" in n for n in search.notes)
+
+
+@pytest.mark.parametrize("gain, chosen, decided", [(0.95, 2, True), (1.25, 3, False)], ids=["rejected", "clearly"])
+def test_the_model_rejects_more_workers_than_cores_unless_they_win_clearly(gain, chosen, decided):
+    """CPU-bound on 2 cores, nw=3's one trial 10% above nw=2: kept only when it wins in turn clearly (truly 25%
+    better); truly 5% worse, nw=2 is taken, and the result says the model decided."""
+    rate = lambda n: {0: 55.0, 1: 62.0, 2: 117.0, 3: 117.0 * gain, 4: 117.0 * gain * 0.9}[n]  # noqa: E731
+
+    def figure(s, n, duel):
+        return max(117.0 * 1.1, rate(3)) if s.num_workers == 3 and n == 0 and not duel else rate(s.num_workers)
+
+    search = drive(Search(max_workers=4, tolerance=0.03, cores=2), figure, cpu=readings(rate, 0.97 / 62))
+    model = search.model()
+    assert model["cpu_bound"] and model["max_useful_workers"] == 2 and model["decided"] is decided
+    assert search.choice().num_workers == chosen
+    assert any(d.reason.startswith("the model") for d in search.duels)
+    assert any(n.startswith("the model decided") for n in search.notes) is decided
+
+
+def test_a_burst_that_lowers_nw2_does_not_hand_the_choice_to_nw3():
+    """A burst during nw=2's trial (nw=3 reads high beside it) and during its repeat: the quietest figure of nw=2,
+    then the model's duel, keep nw=2; the duel's own noisy rounds are measured again."""
+    bursts = {(2, 0), (2, 1)}  # nw=2's first trial and its repeat
+
+    def figure(s, n, duel):
+        return cpu2(s.num_workers) * (0.6 if (s.num_workers, n) in bursts else 1.0)
+
+    def others(s, n):
+        return BURST if (s.num_workers, n) in bursts else QUIET
+
+    search = drive(Search(max_workers=4, tolerance=0.03, cores=2), figure, cpu=readings(cpu2, 0.97 / 62),
+                   others=others)  # fmt: skip
+    assert search.choice().num_workers == 2
+    assert search.trials[Setting("process", 2, 2)].repeated == 2
+
+
+def test_a_noisy_duel_round_is_measured_again():
+    """A burst during a duel's first figure: that figure is measured again, and the quiet one recorded."""
+    state = {"duel figures": 0, "burst": False}
+
+    def figure(s, n, duel):
+        state["duel figures"] += duel
+        state["burst"] = duel and state["duel figures"] == 1
+        if s.num_workers == 3 and n == 0:
+            return 125.0  # nw=3's trial reads high: the model's duel follows
+        return cpu2(s.num_workers) * (0.6 if state["burst"] else 1.0)
+
+    search = drive(Search(max_workers=4, tolerance=0.03, cores=2), figure, cpu=readings(cpu2, 0.97 / 62),
+                   others=lambda s, n: BURST if state["burst"] else QUIET)  # fmt: skip
+    duel = search.duels[0]
+    assert state["duel figures"] == 2 * len(duel.rounds) + 1  # one figure measured twice
+    assert all(c == cpu2(2) for c, _ in duel.rounds)  # the burst's 0.6x figure was not recorded
+    assert search.noise()["repeated"] == 1 and search.choice().num_workers == 2
+
+
+# -- a simulated noisy machine ---------------------------------------------------------------------------------
+
+CORES = 2
+GRID = 1 + 2 * CORES * 4  # nw=0, and nw 1..4 x prefetch 1, 2, 4, 8: the bench's exhaustive grid
+DUEL_COST = 2 / 3  # a duel's round: 2 windows of an ordinary trial's 3
+# name: (batches/s by nw, stall fraction, the workers' CPU s per batch, the loop's, a worker's s per batch by nw)
+WORKLOADS = {
+    "cpu-bound": (cpu2, 0.5, 0.97 / 62, 0.001, lambda n: n / cpu2(n)),
+    "latency-bound": (lambda n: n * 50.0 if n else 20.0, 0.5, 0.002, 0.001, lambda n: 0.02),
+    "slow step": (lambda n: 19.5 if n == 0 else 20.0, 0.01, 0.0008, 0.001, lambda n: 0.0009),
+    "in-memory": (lambda n: 500.0 if n == 0 else 300.0, 0.4, 0.001, 0.002, lambda n: 0.0012),
+}
+
+
+def simulate(name: str, seed: int, noise=0.15, bursts=0.15) -> tuple[float, float, Search]:
+    """One tuning on a noisy machine: each trial's level is off by up to ``noise`` either way, its windows by 2%
+    more, and a ``bursts`` share of trials (duel rounds too) run during a neighbour's burst (0.6x, others holding
+    1.2-1.7 cores). Returns the choice's true throughput over the best's, the cost in ordinary trials, the search."""
+    rate, stall, cpu_s, loop_s, load_s = WORKLOADS[name]
+    rng = random.Random(seed)
+    search = Search(max_workers=2 * CORES, tolerance=0.03, cores=CORES)
+    cost = 0.0
+    while (s := search.propose()) is not None:
+        level = rate(s.num_workers) * (1 + rng.uniform(-noise, noise))
+        others = rng.uniform(0, 0.2)
+        if rng.random() < bursts:
+            level, others = level * 0.6, 1.2 + rng.uniform(0, 0.5)
+        cpu = {"worker_cpu_s": cpu_s, "load_s": load_s(s.num_workers)} if s.num_workers else {}
+        windows = [level * (1 + rng.uniform(-0.02, 0.02)) for _ in range(2 if search.in_duel else 3)]
+        cost += DUEL_COST if search.in_duel else 1
+        search.report(Trial(s, windows, stall_fraction=stall, others_cores=others, loop_cpu_s=loop_s, **cpu))
+    best = max(rate(n) for n in range(2 * CORES + 1))
+    return rate(search.choice().num_workers) / best, cost, search
+
+
+def test_on_a_simulated_noisy_machine_the_choice_is_within_5_percent_of_the_best():
+    """200 seeded tunings of each of four workloads with 15% noise per trial and bursts on 15% of trials: every
+    choice's true throughput is at least 0.95 of the best, and the cost (a duel's round as 2/3 of a trial) is 0.3 of
+    the exhaustive grid's on average (0.35 at most for any one workload's average); duels stay within their bounds.
+
+    Measured (this commit): quality 1.00 at the minimum on cpu-, latency-bound and in-memory, 0.975 (nw=0 under
+    a slow step, 2.5% below the rest) on the slow step; cost / grid, mean (90th percentile, max): cpu-bound 0.26
+    (0.39, 0.63), latency-bound 0.32 (0.43, 0.61), slow step 0.18 (0.24, 0.35), in-memory 0.28 (0.35, 0.41).
+    """
+    means = {}
+    for name in WORKLOADS:
+        quality, costs = [], []
+        for seed in range(200):
+            q, cost, search = simulate(name, seed)
+            quality.append(q)
+            costs.append(cost / GRID)
+            assert len(search.duels) <= MAX_DUELS and all(len(d.rounds) <= MAX_ROUNDS for d in search.duels)
+        assert min(quality) >= 0.95, (name, sorted(quality)[:5])
+        means[name] = statistics.fmean(costs)
+        assert means[name] <= 0.35, (name, means[name])
+    assert statistics.fmean(means.values()) <= 0.3, means
+
+
+def test_without_noise_readings_nothing_is_repeated_and_duels_stay_bounded():
+    """Trials with no others' reading (threads, old drivers) repeat nothing; over many noisy curves the duels are at
+    most MAX_DUELS of at most MAX_ROUNDS rounds each."""
+    for seed in range(50):
+        rng = random.Random(seed)
+        search = drive(Search(max_workers=4, tolerance=0.03, cores=2),
+                       lambda s, n, duel: cpu2(s.num_workers) * (1 + rng.uniform(-0.15, 0.15)),
+                       cpu=readings(cpu2, 0.97 / 62), others=lambda s, n: None)  # fmt: skip
+        assert search.noise() is None and all(t.repeated == 0 for t in search.order)
+        assert len(search.duels) <= MAX_DUELS and all(len(d.rounds) <= MAX_ROUNDS for d in search.duels)
+        assert search.choice().num_workers == 2
+
+
+# -- the driver and the result ---------------------------------------------------------------------------------
+
+
+def test_drive_measures_duel_rounds_short_and_forfeits_a_duel_the_budget_cuts():
+    """offline.drive: the search says which proposals are duel rounds (measured short); when the budget runs out in
+    the middle of a duel, the duel decides on the rounds it has, and the result carries it."""
+    search = Search(max_workers=4, tolerance=0.03, cores=2)
+    asked = []
+
+    def trial_of(s: Setting, first: bool) -> Trial:
+        asked.append(search.in_duel)
+        if search.in_duel and asked.count(True) == 3:  # the second round's first figure: out of time
+            raise measure.OutOfTime(None)
+        level = 140.0 if s.num_workers == 3 else cpu2(s.num_workers)  # nw=3 wins the first round clearly
+        return Trial(s, [level] * (2 if search.in_duel else 3), stall_fraction=0.5, others_cores=QUIET,
+                     **readings(cpu2, 0.97 / 62)(s))  # fmt: skip
+
+    assert offline.drive(search, trial_of) is False
+    result = offline._result(search, False, 1.0, 16)
+    assert asked.count(True) == 3 and asked[-1] and not any(asked[:-3])  # rounds follow the ordinary trials
+    assert result.num_workers == 2 and not result.converged  # one round is not "clearly", every round
+    assert result.duels and result.duels[0]["outcome"] == "tie" and len(result.duels[0]["rounds"]) == 1
+    assert result.model["cpu_bound"] and result.model["decided"] and result.noise["repeated"] == 0
+    assert any(n.startswith("the model decided") for n in result.notes)
+
+
+def test_a_duel_round_is_measured_with_exactly_its_windows():
+    """measure.run(windows=2), as offline.tune measures a duel's round: two windows, however much they spread
+    (tolerance 0 would otherwise ask for more, up to MAX_WINDOWS)."""
+    trial = measure.run(fastfeed.DataLoader, list(range(64)), {"batch_size": 4}, Setting("process", 0, None), None,
+                        tolerance=0.0, deadline=float("inf"), window_s=0.01, windows=2)  # fmt: skip
+    assert len(trial.windows) == 2
+    again = measure.run(fastfeed.DataLoader, list(range(64)), {"batch_size": 4}, Setting("process", 0, None), None,
+                        tolerance=0.0, deadline=float("inf"), window_s=0.01)  # fmt: skip
+    assert len(again.windows) >= measure.MIN_WINDOWS
+
+
+def _result() -> TuneResult:
+    search = drive(Search(max_workers=4, tolerance=0.03, cores=2),
+                   lambda s, n, duel: 125.0 if s.num_workers == 3 and n == 0 else cpu2(s.num_workers),
+                   cpu=readings(cpu2, 0.97 / 62), others=lambda s, n: BURST if (s.num_workers, n) == (2, 0) else QUIET)
+    return offline._result(search, True, 2.0, 16)
+
+
+def test_the_result_shows_the_noise_the_duels_and_the_notes():
+    """The table has each trial's spread and others' cores (``r``: measured again); below it the noise seen, a line
+    per duel and the notes. A result saved before these fields loads with their defaults."""
+    result = _result()
+    text = str(result)
+    header = text.splitlines()[1]
+    assert "spread" in header and "noise" in header
+    rows = {line.split()[0]: line.split() for line in text.splitlines()[2:] if line.startswith("*")}
+    assert rows["*"][1:3] == ["2", "2"] and rows["*"][-3] == f"{QUIET:.2f}r"  # the choice, measured again
+    assert f"{BURST:.2f} at most; 1 trial(s) measured again as noisy" in text
+    assert "duel: nw=3 pf=2 process vs nw=2 pf=2 process (the model" in text
+    assert "note: the model decided" in text
+    again = TuneResult.from_dict(result.as_dict())
+    assert again == result
+    old = {k: v for k, v in result.as_dict().items() if k not in ("duels", "noise", "model", "notes")}
+    assert TuneResult.from_dict(old).duels == [] and TuneResult.from_dict(old).notes == []
+
+
+def test_the_cli_prints_them(monkeypatch, capsys, tmp_path):
+    """``fastfeed tune`` prints the result's table with the noise column, the duels and the notes."""
+    result = _result()
+    monkeypatch.setenv("FASTFEED_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(fastfeed, "tune", lambda dataset, *, on_trial=None, **kwargs: result, raising=False)
+    assert cli.main(["tune", "_tune_targets:rows", "--batch-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "noise" in out and "duel: nw=3 pf=2 process vs nw=2 pf=2 process" in out and "note: the model decided" in out
+
+
+def test_on_a_busy_machine_cpu_bound_workers_are_still_seen_as_cpu_bound():
+    """Two busy loops hold 1.8 of the 2 cores: each of 2 CPU-bound workers runs a tenth of its time per batch, yet
+    uses all the CPU it could have had, so the model still counts it CPU-bound; a sleeping (latency-bound) worker
+    on a quiet machine uses a fraction of its time and is not."""
+    busy = Search(max_workers=4, tolerance=0.03, cores=2)
+    busy.report(Trial(Setting("process", 2, 2), [20.0] * 3, stall_fraction=0.5, others_cores=1.8,
+                      worker_cpu_s=0.01, load_s=0.1, loop_cpu_s=0.0005))  # fmt: skip
+    model = busy.model()
+    assert model["cpu_bound"] and model["max_useful_workers"] == 2, model
+    sleeping = Search(max_workers=4, tolerance=0.03, cores=2)
+    sleeping.report(Trial(Setting("process", 2, 2), [20.0] * 3, stall_fraction=0.5, others_cores=0.05,
+                          worker_cpu_s=0.005, load_s=0.1, loop_cpu_s=0.0005))  # fmt: skip
+    assert not sleeping.model()["cpu_bound"]
