@@ -20,6 +20,17 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 FAST_FAILURE = {"health_check_period_ms": 200, "health_check_failure_threshold": 3, "health_check_timeout_ms": 500}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def patient_starts():
+    """Actors may take minutes to start on a machine busy with other work (a process, Ray's and torch's imports):
+    the loaders of a module that imports this fixture wait FASTFEED_RAY_START_TIMEOUT_S=600 s for them, not the
+    120 s default, the cluster's warm-up included (autouse in that module, so set before it). Tests of the start
+    timeout set their own."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FASTFEED_RAY_START_TIMEOUT_S", "600")
+        yield
+
+
 @contextlib.contextmanager
 def local_cluster(nodes=(1, 1), resources=None, head_cpus=0):
     """Start a head (with ``head_cpus``) and one node per entry of ``nodes`` (its CPUs), connect, and take it all

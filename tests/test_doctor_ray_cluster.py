@@ -26,6 +26,7 @@ from fastfeed.tuning.result import Setting  # noqa: E402
 
 _ray = pytest.importorskip("_ray", reason="tests/_ray.py, the local test cluster, comes with worker_type='ray'")
 local_cluster, wait_no_actors = _ray.local_cluster, _ray.wait_no_actors
+patient_starts = _ray.patient_starts  # an autouse fixture: this module's loaders wait for slow actor starts
 
 pytestmark = [pytest.mark.fastfeed_only, pytest.mark.hang_limit(120)]
 
@@ -33,15 +34,6 @@ pytestmark = [pytest.mark.fastfeed_only, pytest.mark.hang_limit(120)]
 # as none is left).
 GONE_S = 60.0
 
-
-@pytest.fixture(scope="module", autouse=True)
-def patient_starts():
-    """Actors may take minutes to start on a machine busy with other work (a process, Ray's and torch's imports):
-    this module's loaders wait FASTFEED_RAY_START_TIMEOUT_S=600 s for them, not the 120 s default, the cluster's
-    warm-up included (autouse, so set before it). Tests of the start timeout set their own."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FASTFEED_RAY_START_TIMEOUT_S", "600")
-        yield
 
 NODE_CPUS = (2, 2)  # with the head's none, above this machine's free cores: the actors sleep, needing none
 

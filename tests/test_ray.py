@@ -24,7 +24,7 @@ import _datasets as ds
 import _leaks
 import _ray_datasets as rds
 from _compare import assert_same, copy_batch, seed_all
-from _ray import alive_actors, cluster, owned_refs, wait_no_actors  # noqa: F401 (cluster: a fixture)
+from _ray import alive_actors, cluster, owned_refs, patient_starts, wait_no_actors  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.fastfeed_only, pytest.mark.ray_sockets]
 ray = pytest.importorskip("ray")
@@ -38,15 +38,6 @@ from fastfeed._workers.ray import pool as ray_pool  # noqa: E402
 GONE_S = 60.0
 START_S = 600.0  # as patient_starts makes the loaders
 
-
-@pytest.fixture(scope="module", autouse=True)
-def patient_starts():
-    """Actors may take minutes to start on a machine busy with other work (a process, Ray's and torch's imports):
-    this module's loaders wait FASTFEED_RAY_START_TIMEOUT_S=600 s for them, not the 120 s default, the cluster's
-    warm-up included (autouse, so set before it). Tests of the start timeout set their own."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FASTFEED_RAY_START_TIMEOUT_S", "600")
-        yield
 
 
 def _epochs(loader, epochs=1, seed=0):

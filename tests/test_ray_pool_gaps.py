@@ -21,7 +21,7 @@ from torch.utils.data._utils.collate import default_collate
 import _datasets as ds
 import _ray_datasets as rds
 from _compare import assert_same
-from _ray import cluster, wait_no_actors  # noqa: F401 (cluster: a fixture)
+from _ray import cluster, patient_starts, wait_no_actors  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.fastfeed_only, pytest.mark.ray_sockets]
 ray = pytest.importorskip("ray")
@@ -40,15 +40,6 @@ GONE_S = 60.0
 # actor's start, which a busy machine makes minutes long.
 TIMEOUT_S = 300
 
-
-@pytest.fixture(scope="module", autouse=True)
-def patient_starts():
-    """Actors may take minutes to start on a machine busy with other work (a process, Ray's and torch's imports):
-    this module's loaders wait FASTFEED_RAY_START_TIMEOUT_S=600 s for them, not the 120 s default, the cluster's
-    warm-up included (autouse, so set before it). Tests of the start timeout set their own."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FASTFEED_RAY_START_TIMEOUT_S", "600")
-        yield
 
 
 @pytest.mark.hang_limit(40)
