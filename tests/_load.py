@@ -13,28 +13,13 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import pytest
 
-from fastfeed.bench.accounting import process_tree
-from fastfeed.doctor.sampler import CLK_TCK, parse_stat
+from fastfeed._procstat import CLK_TCK
+from fastfeed.tuning.noise import CpuMeter
 
 CPUS = len(os.sched_getaffinity(0))
-
-
-def _tree_ticks() -> int:
-    """CPU clock ticks used by this process and its descendants: each one's own, and those of the children each
-    has reaped (so a worker that has exited still counts, through its parent)."""
-    total = 0
-    for pid in process_tree():
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                text = f.read()
-        except OSError:
-            continue  # exited since the listing: once reaped, its parent's cutime holds its ticks
-        total += sum(map(int, text[text.rindex(")") + 2:].split()[11:15]))  # utime stime cutime cstime
-    return total
 
 
 class OthersLoad:
@@ -46,13 +31,13 @@ class OthersLoad:
 
     def __init__(self) -> None:
         self.readings: list[tuple[float, int]] = []
+        self._meter = CpuMeter()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="others-load", daemon=True)
 
     def _read(self) -> None:
-        with open("/proc/stat") as f:
-            busy = parse_stat(f.read(), sorted(os.sched_getaffinity(0)))[0]
-        self.readings.append((time.monotonic(), busy - _tree_ticks()))
+        r = self._meter.read()  # the tuner's own reading of others' load (fastfeed.tuning.noise)
+        self.readings.append((r.t, r.busy - r.own - r.children))
 
     def _run(self) -> None:
         while not self._done.wait(0.1):
