@@ -75,8 +75,9 @@ SHARDS = {"http_throughput": 1.2, "resume": 1.5, "cache": 1.1}
 # ray (fastfeed bench ray, benchmarks/ray.py): batches/s over the ideal N / t_batch (capped by the rate at which the
 # loop can receive), for every actor count up to scaling_up_to.
 RAY = {"scaling": 0.8, "scaling_up_to": 8}
-# tune: tuned / grid best, tuning time / grid time, chosen nw against the knee, reruns' spread, and (c)'s call.
-TUNE = {"throughput": 0.95, "time": 0.4, "knee_slack": 1, "agreement": 0.03, "not_input_bound_s": 10.0}
+# tune: tuned / grid best (the worst run's), tuning time / grid time (the slowest run's), chosen nw against the knee,
+# and (c)'s call; reports of the benchmark's earlier form (3 quiet reruns, no "runs") also the reruns' spread.
+TUNE = {"throughput": 0.95, "time": 0.3, "knee_slack": 1, "agreement": 0.03, "not_input_bound_s": 10.0}
 
 
 @dataclass(frozen=True)
@@ -158,9 +159,11 @@ def tune_checks(rows: list[dict]) -> list[Check]:
                   r["time_ratio"] <= TUNE["time"]),
             Check(where, f"nw <= knee + {TUNE['knee_slack']}", f"nw={r['chosen_nw']}, knee nw={r['grid_knee']}",
                   r["chosen_nw"] <= r["grid_knee"] + TUNE["knee_slack"]),
-            Check(where, f"reruns within {TUNE['agreement']:.0%}", f"{r['agreement']:.1%}",
-                  r["agreement"] <= TUNE["agreement"]),
         ]
+        if "runs" not in r:  # the earlier form's reruns of one condition: they agree. The quiet and busy runs of the
+            # current form are held to the worst run's quality instead, which the first check reads.
+            out.append(Check(where, f"reruns within {TUNE['agreement']:.0%}", f"{r['agreement']:.1%}",
+                             r["agreement"] <= TUNE["agreement"]))
         if r.get("step_s") is not None or r["workload"].endswith(" step"):  # (c): a step, cheap loading
             slowest = max(r["tune_s"])
             out.append(Check(where, f"not input-bound, said in < {TUNE['not_input_bound_s']:.0f} s",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -20,6 +21,13 @@ from fastfeed._procstat import CLK_TCK
 from fastfeed.tuning.noise import CpuMeter
 
 CPUS = len(os.sched_getaffinity(0))
+
+
+def load_stretch() -> float:
+    """How many times slower than on an idle machine a test may run now: the runnable processes per core (other work
+    beside the suite, or its own xdist workers), from 1 to 4. Guards against hangs (their limits, a subprocess's
+    timeout, a tuning deadline) stretch by it; no assertion does."""
+    return min(4.0, max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1)))
 
 
 class OthersLoad:
@@ -53,6 +61,12 @@ class OthersLoad:
         self._thread.join()
         self._read()
 
+    def mean(self) -> float:
+        """The cores other processes kept busy on average over the whole run."""
+        (t0, n0), (t1, n1) = self.readings[0], self.readings[-1]
+        # Ticks are read busy-less-own at two moments: over a block of a few ticks the difference can dip below 0.
+        return max(0.0, (n1 - n0) / CLK_TCK / (t1 - t0)) if t1 > t0 else 0.0
+
     def peak(self, window_s: float = 1.0) -> float:
         """The most cores other processes used over any ``window_s`` of the run, or over the whole run when it is
         shorter: a burst during one of the doctor's runs counts, not only the mean over all of them."""
@@ -77,3 +91,40 @@ def skip_unless_idle(others: OthersLoad, cores: float, report: dict) -> None:
         said = "/".join(str(x) for x in (verdict["bottleneck"], verdict["cause"]) if x)
         pytest.skip(f"the scenario needs {cores} of the {CPUS} cores to itself and other processes kept {peak:.2f} "
                     f"busy in a second of its run: the doctor measured {free} cores free and said {said}")
+
+
+class Within:
+    """``with Within(5, "the killed worker's error"):`` -- the block must end within ``bound_s`` seconds, a bound
+    that holds on an idle machine; when it ran longer while other processes held this process's cores, the test is
+    skipped, naming their load, since the time measured is then theirs as much as the code's.
+
+    For promptness checks (an error raised at once, not after a timeout; a process gone within seconds): what a
+    load-free measure cannot say. The bound fails the test when the cores were this test's own (other processes
+    below ``IDLE_OTHERS`` cores on average while the block ran), so a regression still fails on a quiet machine.
+    ``seconds``: how long the block took, for further checks of the test's own.
+    """
+
+    IDLE_OTHERS = 0.5  # cores: less than this on average taken by other processes counts as the cores being ours
+
+    def __init__(self, bound_s: float, what: str) -> None:
+        self.bound_s, self.what = bound_s, what
+        self.seconds = 0.0
+        self._others = OthersLoad()
+
+    def __enter__(self) -> Within:
+        self._others.__enter__()
+        self._t0 = time.monotonic()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.seconds = time.monotonic() - self._t0
+        self._others.__exit__(exc_type, exc, tb)
+        if exc_type is not None or self.seconds < self.bound_s:
+            return
+        others = self._others.mean()
+        if others >= self.IDLE_OTHERS:
+            pytest.skip(f"{self.what} took {self.seconds:.1f} s, over its {self.bound_s:g} s bound, while other "
+                        f"processes kept {others:.2f} of the {CPUS} cores busy on average: the bound is an idle "
+                        "machine's")
+        raise AssertionError(f"{self.what} took {self.seconds:.1f} s, over its {self.bound_s:g} s bound (other "
+                             f"processes kept {others:.2f} of the {CPUS} cores busy on average)")

@@ -16,6 +16,10 @@ import pytest
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+# Ray starts worker processes (the actors) at nice 15, below anything else on the machine: beside other work (two
+# busy loops) an actor then gets a sliver of a core and takes minutes to import torch. The tests' cluster stands for
+# nodes of its own, so its actors run at the ordinary priority (the raylets read RAY_worker_niceness when they start).
+os.environ["RAY_worker_niceness"] = "0"
 # The head notices a removed node within about a second (Ray's defaults: 15 s).
 FAST_FAILURE = {"health_check_period_ms": 200, "health_check_failure_threshold": 3, "health_check_timeout_ms": 500}
 

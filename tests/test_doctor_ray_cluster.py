@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import _leaks
+from _load import OthersLoad, load_stretch, skip_unless_idle
 
 ray = pytest.importorskip("ray")
 
@@ -35,6 +36,9 @@ pytestmark = [pytest.mark.fastfeed_only, pytest.mark.hang_limit(120)]
 GONE_S = 60.0
 
 
+# The gain the closing run measures is the actors' capacity added to what the local workers' two cores give: other
+# processes on those cores while it runs change it, so the gain is checked only when they left this much of them.
+IDLE_CORES = 1.75
 NODE_CPUS = (2, 2)  # with the head's none, above this machine's free cores: the actors sleep, needing none
 
 # Each sample costs COST_S: spun on this machine's CPU in a local worker process, slept in a Ray actor, standing
@@ -100,8 +104,10 @@ def test_input_cpu_is_advised_ray_actors_and_the_rerun_gives_the_predicted_gain(
     R actors measures at least 0.8x the gain it predicted."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    report = doctor_cli.examine(str(script), [], steps=48)
+    with OthersLoad() as others:
+        report = doctor_cli.examine(str(script), [], steps=48)
     d = report.to_dict()
+    skip_unless_idle(others, IDLE_CORES, d)
     assert (d["verdict"]["bottleneck"], d["verdict"]["cause"]) == ("input", "cpu"), (d["verdict"], d["system"])
     [advice] = [a for a in d["advice"] if a["setting"] and "worker_type" in a["setting"]]
     local, remote = advice["setting"]["num_workers"]
@@ -129,8 +135,10 @@ def test_info_shows_the_connected_clusters_nodes_and_cpus(cluster):
 def test_the_tuner_measures_a_mixed_setting_on_the_cluster(cluster):
     """A remote Setting runs as a ("process", "ray") loader of local + remote workers, measured, then stopped."""
     setting = Setting("process", 1, 2, 2)
+    # The deadline bounds the whole trial, the two actors' start included (a process importing torch each): 60 s on
+    # an idle machine, more on a busy one; the trial ends as soon as it has measured.
     trial = measure.run(fastfeed.DataLoader, torch.arange(256).float(), {"batch_size": 8}, setting, None,
-                        tolerance=0.5, deadline=time.monotonic() + 60, window_s=0.2)  # fmt: skip
+                        tolerance=0.5, deadline=time.monotonic() + 60 * load_stretch(), window_s=0.2)  # fmt: skip
     assert trial.windows and trial.median > 0 and trial.load_s is not None
     assert wait_no_actors(GONE_S) == []
 

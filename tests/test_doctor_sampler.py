@@ -14,6 +14,7 @@ import types
 
 import pytest
 import torch
+from _load import CPUS, OthersLoad, Within
 from _sysfs import make_tree
 
 from fastfeed import topology
@@ -48,6 +49,17 @@ def run_sampler(seconds: float, **kwargs) -> Sampler:
     with Sampler(0.05, **kwargs) as s:
         time.sleep(seconds)
     return s
+
+
+def on_time(others: OthersLoad, seconds: float, bound: float, what: str) -> None:
+    """``seconds`` (a cadence, a delay) is within ``bound``, an idle machine's; past it while other processes held
+    this process's cores (``Within``'s rule), the test is skipped naming their load: the sampler's thread then waited
+    for a core as much as for its tick."""
+    mean = others.mean()
+    if seconds > bound and mean >= Within.IDLE_OTHERS:
+        pytest.skip(f"{what} was {seconds * 1000:.0f} ms, over its {bound * 1000:g} ms bound, while other processes "
+                    f"kept {mean:.2f} of the {CPUS} cores busy on average: the bound is an idle machine's")
+    assert seconds <= bound, f"{what} was {seconds * 1000:.1f} ms, over its {bound * 1000:g} ms bound"
 
 
 def test_parse_stat_sums_the_allowed_cpus_busy_and_iowait_ticks():
@@ -113,7 +125,8 @@ def test_delta_turns_two_readings_into_a_sample():
 
 def test_live_sampler_fills_every_field_in_range_at_the_interval():
     """Run at 0.05 s for 0.5 s: every sample has every key, values in range, dt about the interval, JSON-able."""
-    s = run_sampler(0.5)
+    with OthersLoad() as others:
+        s = run_sampler(0.5)
     assert len(s.samples) >= 5
     json.dumps(s.samples)
     for x in s.samples:
@@ -123,8 +136,10 @@ def test_live_sampler_fills_every_field_in_range_at_the_interval():
         assert x["disk_read_mbps"] is None or x["disk_read_mbps"] >= 0
         assert x["disk_read_ms"] is None or x["disk_read_ms"] >= 0
         assert 0 <= x["main_cpu"] < 2 and x["proc_cpu"] == {}
-    assert 0.04 <= statistics.median(x["dt"] for x in s.samples) <= 0.07
     assert all(b["t"] - a["t"] == pytest.approx(b["dt"]) for a, b in zip(s.samples, s.samples[1:]))
+    interval = statistics.median(x["dt"] for x in s.samples)
+    assert interval >= 0.04
+    on_time(others, interval, 0.07, "the median interval at 0.05 s")
 
 
 def test_a_spinning_worker_shows_in_proc_cpu_and_cpu_busy():
@@ -396,16 +411,20 @@ def test_pcie_readings_do_not_delay_the_tick(machine, monkeypatch):
     sample on time and the 0.1 s cadence whole, its figures still arrive, and it stops before NVML shuts down."""
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(machine, pcie_s=0.02))
     late = []
-    with Sampler(0.1, on_tick=lambda x: late.append(time.perf_counter() - x["t"])) as s:
+    with OthersLoad() as others, Sampler(0.1, on_tick=lambda x: late.append(time.perf_counter() - x["t"])) as s:
         time.sleep(0.75)
     assert len(s.samples) >= 5
-    assert statistics.median(late) < 0.01  # read in the tick, a sample would be 40 ms old when handed on
-    assert 0.09 <= statistics.median(x["dt"] for x in s.samples) <= 0.11
+    interval = statistics.median(x["dt"] for x in s.samples)
+    assert interval >= 0.09
     assert s.samples[-1]["pcie_rx_mbps"] == pytest.approx(2.0) and machine.count("pcie") >= 6
     assert machine[-1] == "shutdown" and not any(t.name == "fastfeed-doctor-pcie" for t in threading.enumerate())
-    with Sampler(0.03) as fast:  # shorter than the two windows: only a separate thread can keep it
+    with OthersLoad() as others_fast, Sampler(0.03) as fast:  # shorter than the two windows: only a thread keeps it
         time.sleep(0.45)
-    assert statistics.median(x["dt"] for x in fast.samples) <= 0.036
+    # The delay and the cadences last, each judged against other processes' load while it was measured. Read in the
+    # tick, a sample would be 40 ms old when handed on.
+    on_time(others, statistics.median(late), 0.01, "the median delay of a sample handed on")
+    on_time(others, interval, 0.11, "the median interval at 0.1 s")
+    on_time(others_fast, statistics.median(x["dt"] for x in fast.samples), 0.036, "the median interval at 0.03 s")
 
 
 def test_on_tick_sees_every_sample():

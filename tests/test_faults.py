@@ -13,6 +13,7 @@ import pytest
 import _datasets as ds
 import _leaks
 from _candidate import DataLoader
+from _load import Within
 from _scripts import finish, gone, read_stderr_until, start_script
 from fastfeed._workers import pool
 
@@ -24,12 +25,10 @@ def test_segfault_in_native_code_names_worker_pid_and_signal():
     """A worker dying of SIGSEGV inside native code gives a RuntimeError naming its id, pid and SIGSEGV within 5 s."""
     it = iter(DataLoader(ds.SegfaultDataset(), batch_size=1, num_workers=2))
     pids = [w.process.pid for w in it._pool.workers]
-    start = time.monotonic()
-    with pytest.raises(RuntimeError) as info:
+    with Within(5, "the segfaulted worker's error"), pytest.raises(RuntimeError) as info:
         for _ in it:
             pass
     message = str(info.value)
-    assert time.monotonic() - start < 5
     assert "SIGSEGV" in message and "worker 1" in message and str(pids[1]) in message, message
     del it, info
     gc.collect()
@@ -87,12 +86,10 @@ def test_ctrl_c_ends_workers_stuck_in_user_code_within_2_s(worker_type, processe
         time.sleep(0.5)
         family = _leaks.descendants(proc.pid)
         assert len(family) == processes
-        os.kill(proc.pid, signal.SIGINT)
-        start = time.monotonic()
-        _, err = finish(proc, timeout=15)
-        seconds = time.monotonic() - start
+        with Within(2.5, "the script's exit after SIGINT"):
+            os.kill(proc.pid, signal.SIGINT)
+            _, err = finish(proc, timeout=15)
     assert "KeyboardInterrupt" in err, err
-    assert seconds < 2.5, f"{seconds:.1f} s"
     assert gone(proc.pid, family) == []
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 import types
 
 import pytest
@@ -114,9 +113,9 @@ def test_a_probe_that_hangs_is_cut_off(ray_installed, monkeypatch):
     """A cluster address that never answers costs at most the probe's time limit."""
     monkeypatch.setattr(info, "_RAY_PROBE", "import time; time.sleep(60)")
     monkeypatch.setattr(info, "_gcs_running", lambda: True)
-    t0 = time.monotonic()
     ray = info._ray(timeout_s=1.5)
-    assert time.monotonic() - t0 < 10
+    # "no answer ... within 2 s" is said only when subprocess.run gave up on the child at timeout_s (TimeoutExpired):
+    # the 60 s sleep was cut off at the limit, not waited for. A load-proof measure, where a time taken is not.
     assert ray["cluster"] is None and "no answer" in ray["status"] and "within 2 s" in ray["status"]
 
 

@@ -5,14 +5,13 @@ or connection outlives a test in this process."""
 from __future__ import annotations
 
 import os
-import sys
-import time
 
 import pytest
 import torch
 from torch.utils.data import DataLoader as TorchLoader
 from torch.utils.data import Dataset
 
+from _load import Within
 import fastfeed
 from fastfeed.io import Files
 
@@ -67,10 +66,10 @@ def test_reads_behind_latency_run_in_flight(site):
     server, rel, _ = site
     server.latency = 0.05
     urls = [server.url_of(r) for r in rel]
-    t0 = time.perf_counter()
-    n = sum(len(b) for b in fastfeed.DataLoader(Files(urls, decode=_size, readahead=16), batch_size=8,
-                                                  num_workers=1, prefetch_factor=6))  # fmt: skip
-    assert n == 48 and time.perf_counter() - t0 < 48 * 0.05 / 2
+    with Within(48 * 0.05 / 2, "48 reads at 50 ms through one worker"):
+        n = sum(len(b) for b in fastfeed.DataLoader(Files(urls, decode=_size, readahead=16), batch_size=8,
+                                                      num_workers=1, prefetch_factor=6))  # fmt: skip
+    assert n == 48
 
 
 def test_failing_requests_are_retried(site):
@@ -85,7 +84,7 @@ def test_failing_requests_are_retried(site):
 @pytest.mark.parametrize("fault, error, message", [
     ({"fail": 100}, OSError, "failed 3 time"),
     ({"truncate": True}, OSError, "failed 3 time"),
-    ({"stall": True}, OSError, "failed 3 time"),
+    ({"stall": True}, OSError, "failed 3 time.*no data for 1 s"),
     ({"status": 404}, FileNotFoundError, "cannot read"),
 ])  # fmt: skip
 def test_a_read_that_keeps_failing_names_the_source_and_index_and_never_hangs(site, fault, error, message):
@@ -93,11 +92,12 @@ def test_a_read_that_keeps_failing_names_the_source_and_index_and_never_hangs(si
     server, rel, _ = site
     server.faults[rel[3]] = fault
     urls = [server.url_of(r) for r in rel[:4]]
-    t0 = time.perf_counter()
+    # Never hangs, told by counts rather than by a time that load stretches: the error says how many attempts were
+    # made (retries=2: 3, then no more), that the silent server's were each ended by the 1 s read timeout, and that a
+    # 404 was final at once ("cannot read": not retried).
     with pytest.raises(error, match=rf"sample 3: .*{message}") as caught:
         list(fastfeed.DataLoader(Files(urls, retries=2, timeout=1.0), batch_size=2, num_workers=1))
     assert urls[3] in str(caught.value)
-    assert time.perf_counter() - t0 < 20
 
 
 def test_a_cached_epoch_asks_the_server_nothing_until_revalidation(site):
@@ -122,9 +122,8 @@ def test_dropping_the_iterator_with_reads_in_flight_leaves_nothing_behind(site):
     loader = fastfeed.DataLoader(Files([server.url_of(r) for r in rel], decode=_size), batch_size=4, num_workers=2)
     it = iter(loader)
     next(it)
-    t0 = time.perf_counter()
-    del it
-    assert time.perf_counter() - t0 < 5
+    with Within(5, "dropping the iterator with reads in flight"):
+        del it
 
 
 def test_a_failing_version_check_is_retried_not_taken_for_a_missing_file(site):

@@ -28,7 +28,7 @@ def new_name():
     names = []
 
     def make() -> str:
-        names.append(f"/fastfeed-test-{os.getpid()}-{secrets.token_hex(8)}")
+        names.append(f"/fastfeed-{os.getpid()}-test-{secrets.token_hex(8)}")  # the maker's pid where _leaks reads it
         return names[-1]
 
     yield make

@@ -24,9 +24,13 @@ import _datasets as ds
 import _leaks
 import _ray_datasets as rds
 from _compare import assert_same, copy_batch, seed_all
+from _load import Within
 from _ray import alive_actors, cluster, owned_refs, patient_starts, wait_no_actors  # noqa: F401 (fixtures)
 
-pytestmark = [pytest.mark.fastfeed_only, pytest.mark.ray_sockets]
+# Each loader here starts its actors (a process importing torch each) and waits for the last test's to be counted dead
+# before the cluster has room: 10-15 s on an idle machine, but on one busy with other work a start waits for both, and
+# tests took 4-16 times as long beside two busy loops. The hang guard (stretched by the load up to 4x) allows for it.
+pytestmark = [pytest.mark.fastfeed_only, pytest.mark.ray_sockets, pytest.mark.hang_limit(180)]
 ray = pytest.importorskip("ray")
 
 import fastfeed  # noqa: E402
@@ -211,10 +215,9 @@ def test_a_dataset_error_raises_its_type_with_the_actors_traceback(cluster, capf
 def test_timeout_raises_torchs_error_and_leaves_no_actor(cluster):
     """A batch slower than timeout raises torch's timeout error, and the stuck actor goes with the loader."""
     loader = fastfeed.DataLoader(rds.Sleepy(), batch_size=2, num_workers=2, worker_type="ray", timeout=2)
-    t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match="DataLoader timed out after 2 seconds"):
-        list(loader)
-    assert time.monotonic() - t0 < 15
+    with Within(15, "the timeout's error, the actors' start included"):
+        with pytest.raises(RuntimeError, match="DataLoader timed out after 2 seconds"):
+            list(loader)
     del loader
     gc.collect()
     assert wait_no_actors(GONE_S) == []
@@ -437,10 +440,11 @@ def test_an_actor_no_node_can_ever_host_raises_at_once(cluster, monkeypatch):
                           f"(CPU {total['CPU']:g}, nonexistent_resource 0 in all)")):  # fmt: skip
         loader = fastfeed.DataLoader(torch.arange(8), batch_size=2, num_workers=2, worker_type="ray",
                                      ray_options=options)  # fmt: skip
-        t0 = time.monotonic()
         with pytest.raises(RuntimeError) as caught:
             next(iter(loader))
-        assert time.monotonic() - t0 < 10, "raised only after waiting"
+        # Not raised after waiting, told by its words rather than by a time that load stretches: they are the check
+        # the pool makes before it starts its first actor, where a wait would end in the start timeout's ("found no
+        # node with room for it in 600 s").
         text = str(caught.value)
         assert f"no node of the Ray cluster can ever host one actor with ray_options {options}" in text, text
         assert has in text and "Lower ray_options" in text and "ray start --address" in text, text
@@ -681,7 +685,9 @@ def test_nothing_is_left_behind_after_delete_error_or_ctrl_c(cluster, tmp_path, 
     gc.collect()
     assert wait_no_actors(GONE_S) == [] and owned_refs() <= refs
     gate = tmp_path / "gate"
-    loader = fastfeed.DataLoader(rds.Gated(str(gate)), batch_size=2, num_workers=2, worker_type="ray")
+    # The gate holds batch 1 until the test opens it (at most limit_s): its actor may start minutes before the other
+    # on a busy machine, and a gate that gave way meanwhile would hand the batch over before the Ctrl-C.
+    loader = fastfeed.DataLoader(rds.Gated(str(gate), limit_s=600.0), batch_size=2, num_workers=2, worker_type="ray")
     it = iter(loader)
     next(it)  # batch 0: the epoch is under way; batch 1 (samples 2 and 3) waits at the gate, which stays shut
     sender = _interrupt_once_inside(ray_pool.RayPool.recv.__code__)  # the loop waits there for batch 1
@@ -784,7 +790,7 @@ def test_two_hundred_idle_connections_leave_the_epoch_torchs_and_every_actor_str
     assert floods and floods[0].renewed > 0  # the receiver kept dropping them, and they kept coming back
 
 
-@pytest.mark.hang_limit(150)
+@pytest.mark.hang_limit(180)
 def test_an_actor_frozen_mid_epoch_is_named_by_the_timeout_or_replaced_never_waited_for(cluster, monkeypatch, capfd):
     """An actor stopped with SIGSTOP mid-epoch (its link open, its small tasks taken by the kernel, no answer) under
     timeout=10: within 60 s the loader raises torch's timeout error naming that worker and its actor, or replaces
@@ -805,14 +811,19 @@ def test_an_actor_frozen_mid_epoch_is_named_by_the_timeout_or_replaced_never_wai
         for b in it:
             got.append(copy_batch(b))
             if len(got) == 3:
-                frozen = _where(loader, 0)["pid"]
-                os.kill(frozen, signal.SIGSTOP)
-                t0 = time.monotonic()
-                # The test's own guard: past 60 s the actor runs again, so a loader waiting for it ends, and fails.
-                guard = threading.Timer(60, os.kill, (frozen, signal.SIGCONT))
-                guard.start()
-    except RuntimeError as e:
-        error = str(e)  # not the exception: its traceback would hold the iterator, and its actors, alive
+                break
+        if len(got) == 3:
+            frozen = _where(loader, 0)["pid"]
+            os.kill(frozen, signal.SIGSTOP)
+            # The test's own guard: past 60 s the actor runs again, so a loader waiting for it ends, and fails.
+            guard = threading.Timer(60, os.kill, (frozen, signal.SIGCONT))
+            guard.start()
+            with Within(60, "the rest of the epoch after an actor froze"):
+                try:
+                    for b in it:
+                        got.append(copy_batch(b))
+                except RuntimeError as e:
+                    error = str(e)  # not the exception: its traceback would hold the iterator, and its actors, alive
     finally:
         if guard is not None:
             guard.cancel()
@@ -822,7 +833,6 @@ def test_an_actor_frozen_mid_epoch_is_named_by_the_timeout_or_replaced_never_wai
             except ProcessLookupError:
                 pass
     assert frozen is not None, "the epoch ended before an actor was frozen"
-    assert time.monotonic() - t0 < 60
     if error is not None:
         import re
 

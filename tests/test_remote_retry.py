@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import posixpath
 import socket
-import time
 import warnings
 from pathlib import Path
 from urllib.parse import quote
@@ -188,12 +187,12 @@ def test_a_503_is_retried_and_a_404_is_not(indexed, tmp_path):
     missing = "shard-000099.tar"
     with SlowDown(indexed, "each") as server:
         urls = [server.url_of(n) for n in shard_names()[:2]] + [server.url_of(missing)]
-        t0 = time.monotonic()
         with pytest.warns(UserWarning), pytest.raises(ShardError, match="not found") as caught:
             Shards(urls, retries=RETRIES, cache_dir=tmp_path)
         assert caught.value.shard == server.url_of(missing)
+        # At once: the requests counted, not a time taken (which other processes' load stretches), say that the 404
+        # was not retried.
         assert server.asked[("HEAD", missing)] == 2 and server.gets(missing) == 2
-        assert time.monotonic() - t0 < 10
 
 
 def test_a_403_ends_a_scan_at_once_named_as_denied_not_as_missing(unindexed, tmp_path):

@@ -25,6 +25,7 @@ import pytest
 
 pytest.importorskip("aiohttp", reason="the HTTP tests need aiohttp (the [remote] extra)")
 
+from _load import CPUS, OthersLoad, Within  # noqa: E402
 from fastfeed.bench import storm  # noqa: E402
 from fastfeed.bench.storm import ThrottledStore  # noqa: E402
 from fastfeed.io import Files, ShardIndex, Shards, remote  # noqa: E402
@@ -63,13 +64,21 @@ def test_a_start_up_storm_of_48_readers_on_6_nodes_passes_with_the_default_setti
     their samples, in at most 2 x the ideal time + 10 s, spending at most 1.5 x the minimum of requests, no HEAD,
     and one index request per node. The node processes are forked (they start in milliseconds; the storm is timed
     from the start signal, so a spawned start, ``python -m fastfeed.bench.storm``, measures the same)."""
-    out = storm.run(nodes=6, ranks=8, shards=24, rate=30.0, workdir=tmp_path, start="fork")
+    with OthersLoad() as others:
+        out = storm.run(nodes=6, ranks=8, shards=24, rate=30.0, workdir=tmp_path, start="fork")
     print(storm.summary(out))
     assert out["readers_ok"] == out["readers"] == 48, out["errors"]
     assert out["minimum"] == 6 * (1 + 24)  # each node's ranks read from every shard
-    assert out["elapsed_s"] <= out["time_limit_s"], out
     assert out["admitted"] <= out["request_limit"], out
     assert out["heads"] == 0 and out["index_gets"] == 6, out
+    # The time limit last, as Within judges a bound: 48 readers in 7 processes share the cores with whatever else
+    # runs, so past the limit while other processes held the cores the time is theirs as much as the policy's.
+    mean = others.mean()
+    if out["elapsed_s"] > out["time_limit_s"] and mean >= Within.IDLE_OTHERS:
+        pytest.skip(f"the storm took {out['elapsed_s']:.1f} s, over its {out['time_limit_s']:.1f} s limit, while "
+                    f"other processes kept {mean:.2f} of the {CPUS} cores busy on average: the limit is an idle "
+                    "machine's")
+    assert out["elapsed_s"] <= out["time_limit_s"], out
 
 
 # -- the policy: full jitter, Retry-After, a budget in seconds -------------------------------------------------------
@@ -150,12 +159,11 @@ def test_a_store_that_keeps_refusing_ends_when_the_budget_is_spent(data):
     """No count, a 2.5 s budget, a store refusing everything with Retry-After 1: the read gives up after about the
     budget, having asked about once a second, and says the budget is spent and how to raise it."""
     with ThrottledStore(data, rate=NEVER, initial=0, retry_after=1) as store:
-        t0 = time.monotonic()
-        with pytest.raises(OSError, match=r"reading it failed \d+ time\(s\) in \d+ s; last: HTTP 503 Slow Down"
-                                          r".*retry budget of 2\.5 s.*pass a larger retry_budget"):
-            ShardIndex.load(f"{store.url}/fastfeed-index.json", retry_budget=2.5)
-        took = time.monotonic() - t0
-    assert 2.0 <= took <= 6.0
+        with Within(6.0, "a read under a 2.5 s retry budget") as read:
+            with pytest.raises(OSError, match=r"reading it failed \d+ time\(s\) in \d+ s; last: HTTP 503 Slow Down"
+                                              r".*retry budget of 2\.5 s.*pass a larger retry_budget"):
+                ShardIndex.load(f"{store.url}/fastfeed-index.json", retry_budget=2.5)
+    assert read.seconds >= 2.0
     assert 2 <= store.counts()["refused"] <= 4
     assert all(g >= 1.0 for g in gaps([t for t, _, _ in store.log]))
 
@@ -302,17 +310,16 @@ def test_an_index_read_that_failed_is_not_asked_again_by_the_readers_that_waited
             except OSError as e:
                 errors.append(str(e))
 
-        t0 = time.monotonic()
         threads = [threading.Thread(target=read) for _ in range(3)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        took = time.monotonic() - t0
         refused = store.counts()["refused"]
     assert len(errors) == 3 and all("retry budget of 1 s is spent" in e for e in errors)
+    # One budget, not three in a row: told by the words (two readers raised the first one's error) and below by the
+    # requests counted (about one reader's), not by a time taken, which other processes' load stretches.
     assert sum("met by another reader on this machine" in e for e in errors) == 2
-    assert took < 3.0, took  # one budget, not three in a row
     solo = None
     with ThrottledStore(data, rate=NEVER, initial=0, retry_after=0) as store:
         with pytest.raises(OSError):

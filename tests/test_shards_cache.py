@@ -24,6 +24,7 @@ from fastfeed.bench.http import FileServer, make_files
 from fastfeed.io.shards.cache import ShardCache, dataset_dir
 from fastfeed.io.shards.errors import ShardError
 
+from _load import Within
 from _s3 import s3_server  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.fastfeed_only
@@ -248,11 +249,12 @@ def test_a_download_that_keeps_failing_raises_a_shard_error_naming_the_shard(sha
     site = shards(n=1)
     site.server.faults[site.names[0]] = fault
     cache = caches(tmp_path / "cache", 10**6, retries=2, timeout=0.5)
-    t0 = time.monotonic()
     with pytest.raises(ShardError, match=detail) as caught:
         cache.local(*site.item(0))
     assert caught.value.shard == site.item(0)[1] and site.item(0)[1] in str(caught.value)
-    assert time.monotonic() - t0 < 10
+    # Ended, and the 404 at once, told by counts rather than by a time that other processes' load stretches: the
+    # requests made (3: retries=2, then no more; the 404's 1) and, in ``detail``, the attempts the error counts and
+    # the 0.5 s read timeout that ended the stalled ones.
     assert site.server.requests == requests
     assert os.listdir(cache.directory / "entries") == os.listdir(cache.directory / "tmp") == []
     assert cache.stats()["used_bytes"] == 0
@@ -501,14 +503,14 @@ def test_predownload_returns_at_once_and_a_request_for_a_shard_in_flight_waits_f
     download instead of starting another: 3 requests in all."""
     site = shards(n=3, latency=0.4)
     cache = caches(tmp_path / "cache", 10**6, threads=3)
-    t0 = time.monotonic()
-    cache.predownload([site.item(k) for k in range(3)], lambda k: float(k))
-    assert time.monotonic() - t0 < 0.1
+    with Within(0.1, "predownload() of 3 shards at 0.4 s"):
+        cache.predownload([site.item(k) for k in range(3)], lambda k: float(k))
     time.sleep(0.1)
     assert Path(cache.local(*site.item(0))).read_bytes() == site.data[0]
-    assert time.monotonic() - t0 < 0.8
     for k in (1, 2):
         assert Path(cache.local(*site.item(k))).read_bytes() == site.data[k]
+    # local() of the first waited for its download in flight rather than starting another: told by the requests
+    # counted (one a shard), not by a time taken, which other processes' load stretches.
     assert site.server.requests == 3 and cache.stats()["downloads"] == 3
 
 
@@ -549,10 +551,9 @@ def test_shards_in_s3_are_cached_through_s3fs(s3_server, caches, tmp_path):  # n
     with pytest.raises(ShardError, match="CRC-32"):
         cache.local(1, urls[1], len(data[1]), zlib.crc32(data[1]) ^ 1)
     missing = f"s3://{bucket}/shards/9.tar"
-    t0 = time.monotonic()
-    with pytest.raises(ShardError, match="not found") as caught:
+    with Within(5, "a missing key's error"), pytest.raises(ShardError, match="not found") as caught:
         cache.local(9, missing, 100, 0)
-    assert caught.value.shard == missing and time.monotonic() - t0 < 5
+    assert caught.value.shard == missing
     stats = cache.stats()
     assert stats["downloads"] == 1 and stats["used_bytes"] == len(data[0])
 
@@ -583,17 +584,17 @@ def test_a_read_waiting_for_room_says_so_within_seconds_and_goes_on_once_room_is
     handler = Catch(logging.WARNING)
     logging.getLogger("fastfeed").addHandler(handler)
     out = []
+    reader = threading.Thread(target=lambda: out.append(cache.local(*site.item(2), next_use)))
     try:
-        reader = threading.Thread(target=lambda: out.append(cache.local(*site.item(2), next_use)))
-        t0 = time.monotonic()
-        reader.start()
-        assert noticed.wait(cache_module.WAIT_NOTICE_S + 5)
-        assert time.monotonic() - t0 < cache_module.WAIT_NOTICE_S + 5 and not out
+        with Within(cache_module.WAIT_NOTICE_S + 5, "the notice of a read waiting for room"):
+            reader.start()
+            assert noticed.wait(30), "no notice"  # bounds only a test gone wrong: how soon is Within's to judge
+        assert not out
         assert site.item(2)[1] in records[0] and f"cache_bytes={limit}" in records[0] and f"{limit} bytes are held" \
             in records[0]  # fmt: skip
-        held.clear()
-        reader.join(30)
     finally:
+        held.clear()  # the entries are no longer in use, whatever the verdict: the reader takes the room and ends
+        reader.join(30)
         logging.getLogger("fastfeed").removeHandler(handler)
     assert out and Path(out[0]).read_bytes() == site.data[2]
 

@@ -6,7 +6,6 @@ import random
 import subprocess
 import sys
 import time
-import warnings
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ import fastfeed
 from fastfeed.tuning.recheck import Recheck
 from fastfeed.tuning.result import Setting, Trial
 from fastfeed.tuning.search import Search
+from _load import CPUS, OthersLoad, Within
 
 pytestmark = pytest.mark.fastfeed_only
 
@@ -136,12 +136,13 @@ def test_tune_chooses_workers_for_a_latency_bound_dataset_and_saves_a_config(tmp
 
 
 def test_tune_recognises_a_slow_step_as_not_input_bound_quickly():
-    """A step much slower than loading: not input-bound, a cheap setting, well under 10 s."""
-    started = time.monotonic()
+    """A step much slower than loading: not input-bound, a cheap setting, found in three settings' trials (about 5 s
+    on an idle machine), not a search of the 17 in the range. Counted in trials, which load cannot change: a noisy
+    trial is measured again in place (``repeated``), not added."""
     result = fastfeed.tune(Busy(cost_s=0.0), batch_size=4, step=0.05, max_workers=4)
     assert not result.input_bound
     assert result.num_workers <= 2
-    assert time.monotonic() - started < 10
+    assert len(result.trials) <= 3 and not result.duels, [t.setting for t in result.trials]
 
 
 def test_tune_memory_budget_skips_settings_and_says_so():
@@ -266,12 +267,19 @@ def test_auto_iterable_dataset_is_a_clear_error():
 def test_stats_report_waits_steps_and_worker_times(worker_type):
     """stats() counts the batches, times the workers' fetches, and sees a slow step as a low stall fraction."""
     loader = fastfeed.DataLoader(Busy(n=160, cost_s=0.0005), batch_size=4, num_workers=2, worker_type=worker_type)
-    for _ in loader:
-        time.sleep(0.01)
+    with OthersLoad() as others:
+        for _ in loader:
+            time.sleep(0.01)
     st = loader.stats()
     assert st.batches == 40 and st.num_workers == 2 and len(st.worker_busy) == 2
     assert st.fetch_mean_s >= 4 * 0.0005
-    assert st.step_p50_s >= 0.01 and 0 <= st.stall_fraction < 0.5
+    assert st.step_p50_s >= 0.01 and st.stall_fraction >= 0
+    # Two workers make a batch in 2 ms of CPU against a 10 ms step, given the cores: with others holding them, the
+    # loop may well wait, and the stall fraction says so rightly.
+    if st.stall_fraction >= 0.5 and others.mean() >= Within.IDLE_OTHERS:
+        pytest.skip(f"stall fraction {st.stall_fraction:.2f} while other processes kept {others.mean():.2f} of the "
+                    f"{CPUS} cores busy on average: the slow step shows as one only on cores the workers get")
+    assert st.stall_fraction < 0.5
     assert all(0 < b <= 1 for b in st.worker_busy)
     assert "stall" in str(st)
 

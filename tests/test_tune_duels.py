@@ -115,6 +115,26 @@ def test_the_model_rejects_more_workers_than_cores_unless_they_win_clearly(gain,
     assert any(n.startswith("the model decided") for n in search.notes) is decided
 
 
+def test_beside_steady_load_cpu_bound_workers_past_the_cores_are_searched_and_kept_when_they_win():
+    """Two busy loops hold 1.8 of the 2 cores through every trial (the bench's busy runs): the scheduler shares the
+    cores by runnable process, so nw=4 takes more of them than nw=2 (100.8 against 92.2 batches/s measured). The
+    model's range (one past the cores) would end at nw=3, whose one trial reads low: beside such load the whole range
+    is searched, and nw=4, clearly better in turn, is chosen. On a quiet machine nw=3 falls and the range stands (nw=4
+    never measured)."""
+    busy = {0: 20.0, 1: 48.0, 2: 92.2, 3: 97.0, 4: 100.8}
+
+    def figure(s, n, duel):  # nw=3's first trial reads low (a burst of the neighbours'): it is not seen as the best
+        return busy[s.num_workers] * (0.9 if s.num_workers == 3 and n == 0 and not duel else 1.0)
+
+    search = drive(Search(max_workers=4, tolerance=0.03, cores=2), figure,
+                   cpu=readings(lambda n: busy[n], 0.97 / 62), others=lambda s, n: 1.8)  # fmt: skip
+    assert any(t.setting.num_workers == 4 for t in search.order)
+    assert search.choice().num_workers == 4, search.notes
+    quiet = drive(Search(max_workers=4, tolerance=0.03, cores=2), lambda s, n, duel: cpu2(s.num_workers),
+                  cpu=readings(cpu2, 0.97 / 62))  # fmt: skip
+    assert not any(t.setting.num_workers == 4 for t in quiet.order) and quiet.choice().num_workers == 2
+
+
 def test_a_burst_that_lowers_nw2_does_not_hand_the_choice_to_nw3():
     """A burst during nw=2's trial (nw=3 reads high beside it) and during its repeat: the quietest figure of nw=2,
     then the model's duel, keep nw=2; the duel's own noisy rounds are measured again."""

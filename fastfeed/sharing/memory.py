@@ -105,7 +105,9 @@ class Writer:
 
 
 _attached: dict[tuple[int, int], weakref.ref] = {}  # (dev, ino) -> Block mapped in this process
-_attached_lock = threading.Lock()
+# Re-entrant: a garbage collection run while this thread holds it (an allocation inside Block.__init__) may finalize
+# another Block, whose __del__ takes it again.
+_attached_lock = threading.RLock()
 
 
 class Block:
