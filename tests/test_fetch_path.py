@@ -393,6 +393,9 @@ def test_a_forked_child_makes_and_closes_its_own_connections_and_never_waits_on_
     """A Fetcher used in the parent, then in a forked child: the child drops its parent's filesystem at once
     (fsspec's finalizer used to wait a second on the parent's event loop, which no thread runs in the child),
     uses and closes its own connection, and leaves the parent's pooled one alone."""
+    # Earlier tests' garbage first (their files left to the collector, whose finalizers close on the shared loop):
+    # the child's collection below would finalize it too, and count it against this Fetcher.
+    gc.collect()
     url = server.url_of("files/f00000.bin")
     fetcher = Fetcher(None, 5.0)
     try:
