@@ -93,6 +93,19 @@ def skip_unless_idle(others: OthersLoad, cores: float, report: dict) -> None:
                     f"busy in a second of its run: the doctor measured {free} cores free and said {said}")
 
 
+IDLE_OTHERS = 0.5  # cores: less than this on average taken by other processes counts as the cores being the test's
+
+
+def skip_if_others_held(others: OthersLoad, overrun: str) -> None:
+    """For a figure past an idle machine's bound (``overrun`` says which and by how much): skip the test, naming
+    other processes' load, when they held ``IDLE_OTHERS`` cores or more on average while it was measured, since the
+    figure is then theirs as much as the code's. Otherwise return, and the caller's own assertion fails it."""
+    mean = others.mean()
+    if mean >= IDLE_OTHERS:
+        pytest.skip(f"{overrun}, while other processes kept {mean:.2f} of the {CPUS} cores busy on average: the bound "
+                    "is an idle machine's")
+
+
 class Within:
     """``with Within(5, "the killed worker's error"):`` -- the block must end within ``bound_s`` seconds, a bound
     that holds on an idle machine; when it ran longer while other processes held this process's cores, the test is
@@ -103,8 +116,6 @@ class Within:
     below ``IDLE_OTHERS`` cores on average while the block ran), so a regression still fails on a quiet machine.
     ``seconds``: how long the block took, for further checks of the test's own.
     """
-
-    IDLE_OTHERS = 0.5  # cores: less than this on average taken by other processes counts as the cores being ours
 
     def __init__(self, bound_s: float, what: str) -> None:
         self.bound_s, self.what = bound_s, what
@@ -121,10 +132,7 @@ class Within:
         self._others.__exit__(exc_type, exc, tb)
         if exc_type is not None or self.seconds < self.bound_s:
             return
-        others = self._others.mean()
-        if others >= self.IDLE_OTHERS:
-            pytest.skip(f"{self.what} took {self.seconds:.1f} s, over its {self.bound_s:g} s bound, while other "
-                        f"processes kept {others:.2f} of the {CPUS} cores busy on average: the bound is an idle "
-                        "machine's")
-        raise AssertionError(f"{self.what} took {self.seconds:.1f} s, over its {self.bound_s:g} s bound (other "
-                             f"processes kept {others:.2f} of the {CPUS} cores busy on average)")
+        overrun = f"{self.what} took {self.seconds:.1f} s, over its {self.bound_s:g} s bound"
+        skip_if_others_held(self._others, overrun)
+        raise AssertionError(f"{overrun} (other processes kept {self._others.mean():.2f} of the {CPUS} cores busy on "
+                             "average)")

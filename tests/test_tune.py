@@ -15,7 +15,7 @@ import fastfeed
 from fastfeed.tuning.recheck import Recheck
 from fastfeed.tuning.result import Setting, Trial
 from fastfeed.tuning.search import Search
-from _load import CPUS, OthersLoad, Within
+from _load import OthersLoad, skip_if_others_held
 
 pytestmark = pytest.mark.fastfeed_only
 
@@ -276,9 +276,9 @@ def test_stats_report_waits_steps_and_worker_times(worker_type):
     assert st.step_p50_s >= 0.01 and st.stall_fraction >= 0
     # Two workers make a batch in 2 ms of CPU against a 10 ms step, given the cores: with others holding them, the
     # loop may well wait, and the stall fraction says so rightly.
-    if st.stall_fraction >= 0.5 and others.mean() >= Within.IDLE_OTHERS:
-        pytest.skip(f"stall fraction {st.stall_fraction:.2f} while other processes kept {others.mean():.2f} of the "
-                    f"{CPUS} cores busy on average: the slow step shows as one only on cores the workers get")
+    if st.stall_fraction >= 0.5:
+        skip_if_others_held(others, f"the stall fraction was {st.stall_fraction:.2f}, over 0.5 (the slow step shows "
+                                    "as one only on cores the workers get)")
     assert st.stall_fraction < 0.5
     assert all(0 < b <= 1 for b in st.worker_busy)
     assert "stall" in str(st)
