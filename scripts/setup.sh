@@ -15,7 +15,9 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 if ! .venv/bin/python -c "import torch, numpy, pytest, pytest_timeout, xdist, hypothesis, pybind11, PIL, tqdm, matplotlib, pynvml, fsspec, aiohttp, nvidia.dali, accelerate, torchdata, webdataset, moto.server, s3fs, ray, psutil, lightning, sphinx, myst_parser, furo" 2>/dev/null; then
-  .venv/bin/pip install -q --disable-pip-version-check \
+  # --no-compile: pip would byte-compile all 16,000 modules of these packages (a minute on 2 cores); Python compiles
+  # the ones a process imports, once, on first import.
+  .venv/bin/pip install -q --disable-pip-version-check --no-compile \
     "torch==2.13.0" numpy pytest pytest-timeout pytest-xdist hypothesis pillow tqdm matplotlib nvidia-ml-py fsspec aiohttp nvidia-dali-cuda120 accelerate torchdata webdataset "moto[server]" s3fs ray psutil lightning "pybind11>=2.12" "setuptools>=64" wheel -r docs/requirements.txt
 fi
 # Headless Chromium renders the doctor's HTML report in the tests; where it cannot be installed they skip, saying so.

@@ -20,10 +20,6 @@ import _candidate, _datasets as ds, _leaks
 """
 
 
-def _default_sigint():
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def start_script(body, **env_vars):
     """Run ``body`` (after imports of the test helpers) in a new Python, in its own session."""
     path = os.pathsep.join(filter(None, [TESTS_DIR, os.environ.get("PYTHONPATH")]))
@@ -34,12 +30,9 @@ def start_script(body, **env_vars):
         stderr=subprocess.PIPE,
         text=True,
         env=env,
-        # Its own process group, so a group-wide SIGINT reaches it and its workers only.
+        # Its own process group, so a group-wide SIGINT reaches it and its workers only. (Its SIGINT is not
+        # ignored even where the suite's was: tests/conftest.py's pytest_configure.)
         start_new_session=True,
-        # A suite started in the background of a non-interactive shell (`cmd &`) inherits
-        # SIGINT ignored, and Python then never raises KeyboardInterrupt: give the script
-        # the default disposition, as a terminal would.
-        preexec_fn=_default_sigint,
     )
 
 

@@ -9,9 +9,11 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import pickle
+import signal
 import sys
 import time
 
@@ -23,6 +25,7 @@ def items(n: int) -> list:
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that finds this job stuck asks where, first
     mode = sys.argv[1]
     if mode == "hold":
         shared = fastfeed.share(items(int(sys.argv[2])))

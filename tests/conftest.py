@@ -38,6 +38,13 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "fastfeed_only: checks a fastfeed extension torch lacks")
     config.addinivalue_line("markers", "hang_limit(seconds): fail the test if it runs longer")
     config.addinivalue_line("markers", "ray_sockets: Ray's own connections may stay open past the test")
+    # A suite started in the background of a non-interactive shell (`bash scripts/test.sh &`, as a CI runner or a
+    # script may) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler: not in this
+    # process (an xdist worker's, too), nor in the scripts the tests start, which inherit the ignored signal. The
+    # tests of Ctrl-C would wait forever for an interrupt nothing hears. Install the handler a terminal's Python has;
+    # the scripts started from here then begin with the default disposition, as from a terminal.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_report_header(config):

@@ -19,7 +19,7 @@ from fastfeed import doctor
 from fastfeed.cli import main
 from fastfeed.doctor.demo import Decoded
 
-from _load import CPUS, OthersLoad, skip_unless_idle
+from _load import CPUS, OthersLoad, skip_if_others_held, skip_unless_idle
 
 pytestmark = pytest.mark.fastfeed_only
 
@@ -116,15 +116,19 @@ def test_reads_that_wait_are_input_io_and_more_workers_help_when_rerun():
 @pytest.fixture(scope="module")
 def compute_run(tmp_path_factory):
     """The doctor with --out on a step slower than loading, once for the tests that read its verdict and its
-    outputs: (report.json, the text it printed, the directory)."""
+    outputs: (report.json, the text it printed, the directory, what other processes took of the cores meanwhile)."""
     out = tmp_path_factory.mktemp("compute") / "report"
-    r, text = run_doctor("--step-ms", "30", "--sample-ms", "0.1", "--workers", "2", steps=60, whatif=False, out=out)
-    return r, text, out
+    with OthersLoad() as others:
+        r, text = run_doctor("--step-ms", "30", "--sample-ms", "0.1", "--workers", "2", steps=60, whatif=False, out=out)
+    return r, text, out, others
 
 
 def test_a_slow_step_is_compute(compute_run):
-    """A step slower than loading: compute-bound, and nothing to change in the loader."""
+    """A step slower than loading: compute-bound, and nothing to change in the loader. (Beside other processes that
+    hold the cores, its two workers can fall behind a 30 ms step: the test then skips, naming their load.)"""
     r = compute_run[0]
+    if verdict(r) != ("compute", None):
+        skip_if_others_held(compute_run[3], f"the verdict was {r['verdict']['line']!r}")
     assert verdict(r) == ("compute", None), r["verdict"]
     assert not any(a["setting"] for a in r["advice"])
 
@@ -151,7 +155,7 @@ def test_a_script_on_torchs_own_loader_without_workers():
 
 def test_the_text_report_opens_with_the_verdict_and_out_writes_every_file(compute_run):
     """The text's first line is the verdict; --out writes the JSON, text, HTML page, timeline, trace and PNG."""
-    r, text, out = compute_run
+    r, text, out, _ = compute_run
     assert text.splitlines()[0] == r["verdict"]["line"] and text.startswith("verdict: ")
     for name in ("report.json", "report.txt", "report.html", "timeline.json", "trace.json", "timeline.png"):
         assert (out / name).stat().st_size > 0, name

@@ -274,7 +274,11 @@ def test_ctrl_c_while_sharing_leaves_nothing():
                 break
             except subprocess.TimeoutExpired:
                 if time.monotonic() > deadline:
-                    raise
+                    proc.send_signal(signal.SIGUSR1)  # its threads' stacks to stderr (faulthandler), then the kill
+                    time.sleep(1)
+                    proc.kill()
+                    pytest.fail(f"SIGINT every 2 s for 120 s did not end the job; where it was:\n"
+                                f"{proc.communicate()[1][-4000:]}")  # fmt: skip
                 proc.send_signal(signal.SIGINT)
         assert proc.returncode != 0 and "KeyboardInterrupt" in err
         assert not {n for n in _shm_names() - before if n.split("-")[1] == str(proc.pid)}

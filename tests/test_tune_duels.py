@@ -3,6 +3,7 @@ what the cores can run, and a simulated noisy machine over four workloads. Pure:
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 
@@ -13,7 +14,7 @@ from fastfeed import cli
 from fastfeed.tuning import measure, offline
 from fastfeed.tuning.duel import MAX_ROUNDS
 from fastfeed.tuning.result import Setting, Trial, TuneResult
-from fastfeed.tuning.search import MAX_DUELS, Search
+from fastfeed.tuning.search import MAX_DUELS, MAX_REPEATS, REPEAT_SHARE, Search
 
 pytestmark = pytest.mark.fastfeed_only
 
@@ -71,6 +72,34 @@ def test_steady_load_repeats_nothing():
     search = drive(Search(max_workers=4, tolerance=0.03), lambda s, n, duel: rate(s.num_workers),
                    others=lambda s, n: BURST)  # fmt: skip
     assert all(t.repeated == 0 for t in search.order) and search.noise()["repeated"] == 0
+
+
+def test_beside_steady_load_a_trial_of_few_workers_is_not_repeated_for_the_share_the_others_took():
+    """Two busy loops on 2 cores, steady: the scheduler splits the cores by runnable process, so the others hold 1.0
+    core beside nw=2 and 0.4 beside nw=8. The trial of 2 workers reads "noisy" beside nw=8's, but no quieter figure
+    of it could reach the bar: it is not measured again, and nw=8 is chosen."""
+    rate = lambda n: n * 50.0 if n else 20.0  # noqa: E731  latency-bound: more workers, more batches
+    search = drive(Search(max_workers=8, tolerance=0.03, cores=2), lambda s, n, duel: rate(s.num_workers),
+                   others=lambda s, n: 2 * 2 / (2 + s.num_workers))  # fmt: skip
+    assert search._noisy(search.trials[Setting("process", 2, 2)])
+    assert search.noise()["repeated"] == 0 and search.choice().num_workers == 8
+
+
+def test_noise_that_never_settles_repeats_a_bounded_share():
+    """A neighbour's job starts after the first trial and holds 1.5 cores to the end (0.6x): every later trial reads
+    noisy beside the first, and measuring each again changes nothing; repeats stay within REPEAT_SHARE of the
+    settings measured (at least MAX_REPEATS)."""
+    count = {"n": 0}
+
+    def figure(s, n, duel):
+        count["n"] += 1
+        return (s.num_workers * 50.0 if s.num_workers else 20.0) * (1.0 if count["n"] == 1 else 0.6)
+
+    search = drive(Search(max_workers=8, tolerance=0.03, cores=2), figure,
+                   others=lambda s, n: QUIET if count["n"] == 1 else BURST)  # fmt: skip
+    repeats = search.noise()["repeated"]
+    assert 0 < repeats <= max(MAX_REPEATS, math.ceil(REPEAT_SHARE * len(search.order))), (repeats, len(search.order))
+    assert search.choice().num_workers == 8
 
 
 def test_two_counts_within_noise_end_with_the_cheaper():

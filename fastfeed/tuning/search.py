@@ -39,8 +39,9 @@ The phases:
 
 Throughout, **noise**: a trial during which other processes held more than ``NOISY_CORES`` cores above the
 quietest trial's is measured again (while noisy, up to ``MAX_REPEATS`` times), and the quietest believed
-(``Trial.repeated``), not merged; a duel's figure likewise. Load that is steady over every trial repeats nothing:
-the trials stay comparable.
+(``Trial.repeated``), not merged; a duel's figure likewise. Only a trial whose quieter figure could change the choice
+is measured again (``_could_change``), and repeats are bounded by ``REPEAT_SHARE`` of the settings measured. Load that
+is steady over every trial repeats nothing: the trials stay comparable.
 
 Until the duels, the choice is the cheapest measured setting (fewest Ray actors, then fewest workers,
 then least prefetch, then the first worker type listed) within ``tolerance`` of the best one measured (its median
@@ -64,6 +65,10 @@ NOISY_CORES = 0.5  # others' cores above the quietest trial's that make a trial 
 # ... up to this many times while it stays noisy: a burst that outlasts one trial (a neighbour's build) often
 # outlasts the next too, and a figure believed from inside one can hand the choice to the wrong setting.
 MAX_REPEATS = 2
+# Repeats, of trials and of duels' figures together, may number at most this share of the settings measured (and
+# MAX_REPEATS in any case): where neighbours come and go through the whole tuning, repeating every noisy trial spent 12
+# trials of one run on repeats (0.85x the exhaustive grid's time) in `fastfeed bench tune`'s busy runs, and chose worse.
+REPEAT_SHARE = 1 / 3
 MAX_DUELS = 2
 CPU_BOUND = 0.7  # the workers' CPU time over their time per batch from which samples count as CPU-bound
 MIN_CORE_SHARE = 0.05  # the least share of a core a worker is taken to have had (cores all taken by others)
@@ -221,14 +226,40 @@ class Search:
         return trial.others_cores is not None and quietest is not None and trial.others_cores > quietest + NOISY_CORES
 
     def _noisy_trial(self) -> Trial | None:
-        """A measured trial to measure again because it was noisy (each setting up to ``MAX_REPEATS`` times); none
-        while a duel is under way (its rounds stay paired) or once the search is done."""
-        if self._duel is not None or self._phase == "done":
+        """A measured trial to measure again because it was noisy and a quieter figure could change the choice
+        (each setting up to ``MAX_REPEATS`` times, all of them within ``_may_repeat``); none while a duel is under way
+        (its rounds stay paired) or once the search is done."""
+        if self._duel is not None or self._phase == "done" or not self._may_repeat():
             return None
         for t in self._measured():
-            if self._repeated.get(t.setting, 0) < MAX_REPEATS and self._noisy(t):
+            if self._repeated.get(t.setting, 0) < MAX_REPEATS and self._noisy(t) and self._could_change(t):
                 return t
         return None
+
+    def _repeats(self) -> int:
+        return sum(self._repeated.values()) + self._retaken
+
+    def _may_repeat(self) -> bool:
+        """Whether one more figure may be measured again: repeats are bounded by ``REPEAT_SHARE`` of the settings
+        measured (at least ``MAX_REPEATS``), so that noise that never settles cannot spend the budget on them."""
+        return self._repeats() < max(MAX_REPEATS, math.ceil(REPEAT_SHARE * len(self._measured())))
+
+    def _could_change(self, trial: Trial) -> bool:
+        """Whether a quieter figure of the noisy ``trial`` could change the choice: it is the choice, or the cores it
+        lost to others (over the quietest trial's) could have held it below the bar.
+
+        Beside steady load the others' share itself changes with the workers' count (the scheduler splits the cores
+        by runnable process: fewer workers, more for the others), so a trial of few workers reads "noisy" beside one
+        of many; it is measured again only when it might matter.
+        """
+        if trial.setting == self.choice():
+            return True
+        lost = _others(trial) - (self._quietest() or 0.0)
+        if self.cores:  # it ran on the cores left to it: quiet, it could have had the quietest trial's
+            lift = self.cores / max(self.cores - lost, self.cores / 2)
+        else:
+            lift = 1 + MAX_BAND
+        return trial.median * lift >= self._bar(self._measured())
 
     def _believe_quieter(self, known: Trial, again: Trial) -> None:
         """Of a noisy trial and its repeat, the quieter stands for the setting (they are not merged: the noisy
@@ -533,7 +564,7 @@ class Search:
         """A duel's round: a noisy figure is measured again (up to ``MAX_REPEATS`` times), the quietest recorded."""
         if self._held is not None and _others(self._held) <= _others(trial):
             trial = self._held
-        if self._noisy(trial) and self._takes < MAX_REPEATS:
+        if self._noisy(trial) and self._takes < MAX_REPEATS and self._may_repeat():
             self._held = trial
             self._takes += 1
             self._retaken += 1

@@ -36,6 +36,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -66,11 +67,20 @@ EST_START_S, EST_TUNE_S = 0.8, 18.0
 # time ratio compares the tuner's 0.5 s windows with these)
 QUICK_WINDOW_S = 0.2
 
-# A busy loop (argv: the pid that started it): it spins until killed, and ends on its own once that process is no
-# longer its parent (it died without killing it, and the loop was re-parented), so that an interrupted run leaves
-# nothing spinning. The pid comes from the starter, not getppid() at start-up: the starter may be gone by then.
-SPIN = ("import os, sys\nparent = int(sys.argv[1])\nwhile os.getppid() == parent:\n"
-        "    for _ in range(100_000):\n        pass\n")  # fmt: skip
+# A busy loop (argv: the pid of the run it serves): it spins until killed, and ends on its own once that process is
+# gone (or a zombie), so that an interrupted run leaves nothing spinning. It looks every 100,000 iterations (a few ms).
+SPIN = ("import sys\nowner = int(sys.argv[1])\n\n\ndef alive(pid):\n    try:\n"
+        "        with open(f'/proc/{pid}/stat') as f:\n            return f.read().rsplit(')', 1)[1].split()[0] != 'Z'\n"
+        "    except OSError:\n        return False\n\n\nwhile alive(owner):\n    for _ in range(100_000):\n"
+        "        pass\n")  # fmt: skip
+# The loops' starter (argv: the run's pid, how many, SPIN): it starts them, each in its own session, prints their
+# pids and exits, so that they are no descendants of the run. The tuner counts its own process tree's CPU time as its
+# workers' and the rest of the CPUs' busy time as others' (fastfeed.tuning.noise), and a neighbour's job is not its
+# child: loops started as the run's children read as its workers' CPU, and the noise the tuner saw as none.
+START = ("import subprocess, sys\nfor _ in range(int(sys.argv[2])):\n"
+         "    p = subprocess.Popen([sys.executable, '-c', sys.argv[3], sys.argv[1]], stdin=subprocess.DEVNULL,\n"
+         "                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)\n"
+         "    print(p.pid, flush=True)\n")  # fmt: skip
 
 
 def work(iterations: int) -> int:
@@ -163,21 +173,33 @@ NAMES = {name: letter for letter, (name, *_) in WORKLOADS.items()}
 
 @contextlib.contextmanager
 def condition(name: str, loops: int = BUSY_LOOPS):
-    """``busy``: ``loops`` processes spinning on this rank's CPUs (they inherit its affinity) while the block runs,
-    each killed and reaped when it ends, however it ends; ``quiet``: nothing beside it."""
-    procs: list[subprocess.Popen] = []
+    """``busy``: ``loops`` processes spinning on this rank's CPUs (they inherit its affinity), outside this process's
+    tree as a neighbour's job is (``START``), while the block runs, each killed when it ends, however it ends; yields
+    their pids. ``quiet``: nothing beside it (no pids)."""
+    pids: list[int] = []
     try:
         if name == "busy":
-            for _ in range(loops):
-                procs.append(subprocess.Popen([sys.executable, "-c", SPIN, str(os.getpid())], stdin=subprocess.DEVNULL,
-                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
+            started = subprocess.run([sys.executable, "-c", START, str(os.getpid()), str(loops), SPIN],
+                                     capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+            pids.extend(int(pid) for pid in started.stdout.split())
             time.sleep(0.2)  # their interpreters up and spinning before the first measurement
-        yield procs
+        yield pids
     finally:
-        for p in procs:
-            p.kill()
-        for p in procs:
-            p.wait()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10  # init reaps them: no longer running once killed, gone soon after
+        while any(spinning(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def spinning(pid: int) -> bool:
+    """Whether process ``pid`` runs: it exists and is not a zombie waiting for its parent to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def settings(max_workers: int) -> list[Setting]:
