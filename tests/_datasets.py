@@ -368,16 +368,25 @@ class UnevenIterable(ShardedIterable):
 
 
 class StragglerMap(tud.Dataset):
-    """Item i is (worker id, i); item `slow` takes `delay` seconds: its worker straggles."""
+    """Item i is (worker id, i); item `slow` takes `delay` seconds: its worker straggles.
 
-    def __init__(self, n=10, slow=0, delay=1.0):
-        self.n, self.slow, self.delay = n, slow, delay
+    With ``gate`` (a path no file has yet), the delay starts only once item ``slow + 1`` (the other worker's first)
+    has been fetched: spawned workers beside other load start seconds apart, and a straggler's delay that ran out
+    before the other worker had even started would make no straggler at all."""
+
+    def __init__(self, n=10, slow=0, delay=1.0, gate=None):
+        self.n, self.slow, self.delay, self.gate = n, slow, delay, gate
 
     def __len__(self):
         return self.n
 
     def __getitem__(self, i):
+        if self.gate is not None and i == self.slow + 1:
+            open(self.gate, "a").close()
         if i == self.slow:
+            deadline = time.monotonic() + 120  # a guard: the other worker never started
+            while self.gate is not None and not os.path.exists(self.gate) and time.monotonic() < deadline:
+                time.sleep(0.005)
             time.sleep(self.delay)
         return (tud.get_worker_info().id, i)
 

@@ -176,7 +176,7 @@ def check_text(out: Path, d: dict) -> None:
 # job's verdict, shares and report.txt the same way.
 JOBS = [("launch", "compute"), ("torchrun", "sync"), ("two_nodes", "alike")]
 # The scenarios whose verdict needs idle cores: "sync" is the all-reduce's whichever rank is slower.
-NEEDS_IDLE = ("one slow rank", "alike", "compute")
+NEEDS_IDLE = ("one slow rank", "alike", "compute", "sync")
 
 
 @pytest.mark.hang_limit(JOB_HANG_S)

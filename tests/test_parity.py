@@ -402,10 +402,11 @@ def _flat(epoch):
 
 @pytest.mark.hang_limit(90)
 @pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_out_of_order_does_not_wait_for_a_straggling_map_worker(parity, context):
+def test_out_of_order_does_not_wait_for_a_straggling_map_worker(parity, context, tmp_path):
     """in_order=False: while worker 0 sleeps on item 0, worker 1 takes every next task and its batches come first, as torch's."""
     options = dict(num_workers=2, prefetch_factor=2, in_order=False, multiprocessing_context=context)
-    ref = parity(lambda: (ds.StragglerMap(10, slow=0), options))
+    made = itertools.count()  # each loader's dataset has its own gate: worker 0 sleeps once worker 1 runs
+    ref = parity(lambda: (ds.StragglerMap(10, slow=0, gate=str(tmp_path / f"gate-{next(made)}")), options))
     assert _flat(ref[0]) == ([1, 3, 4, 5, 6, 7, 8, 9, 0, 2], [1, 1, 1, 1, 1, 1, 1, 1, 0, 0])
 
 
