@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+import _leaks
 from fastfeed.bench import plot, report
 from fastfeed.bench.suites import tune
 from fastfeed.tuning.result import Setting
@@ -104,22 +105,13 @@ def test_workloads_by_name_or_letter():
         tune._letter("disk")
 
 
-def _ancestors(pid: int) -> list[int]:
-    chain = []
-    while pid > 1:
-        with open(f"/proc/{pid}/stat") as f:
-            pid = int(f.read().rsplit(")", 1)[1].split()[1])
-        chain.append(pid)
-    return chain
-
-
 def test_busy_loops_spin_outside_this_tree_during_the_block_and_end_however_it_ends():
     """The loops run while the block does, as no descendants of this process (a neighbour's job is not the tuner's
     child: its CPU would read as the workers'), and are killed when it ends, however it ends."""
     with pytest.raises(RuntimeError):
         with tune.condition("busy") as pids:
             assert len(pids) == tune.BUSY_LOOPS and all(tune.spinning(pid) for pid in pids)
-            assert not any(os.getpid() in _ancestors(pid) for pid in pids), "a busy loop is in this process's tree"
+            assert not set(pids) & _leaks.descendants(os.getpid()), "a busy loop is in this process's tree"
             raise RuntimeError("a measurement failed")
     assert not any(tune.spinning(pid) for pid in pids)
     with tune.condition("quiet") as none:

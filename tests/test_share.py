@@ -266,7 +266,7 @@ def test_ctrl_c_while_sharing_leaves_nothing():
         proc.send_signal(signal.SIGINT)
         # Python ignores a KeyboardInterrupt raised inside a finalizer (a dropped block's __del__, any object's), as a
         # user sees when one Ctrl-C does nothing; the user presses it again, and so does this test, every 2 s, up to a
-        # guard against a hang (about 1 s on an idle machine; beside busy loops one press once went unanswered for 120 s).
+        # guard against a hang (about 1 s, idle or beside busy loops).
         deadline = time.monotonic() + 120
         while True:
             try:

@@ -626,7 +626,7 @@ class Search:
         if not self._others:
             return None
         return {"mean_cores": round(statistics.fmean(self._others), 3), "max_cores": round(max(self._others), 3),
-                "repeated": sum(self._repeated.values()) + self._retaken}
+                "repeated": self._repeats()}
 
     def _done(self):
         return None
