@@ -226,6 +226,38 @@ def test_without_worker_processes_the_loop_spends_the_cpu():
     assert threads.loop_cpu_s >= BATCH * 0.002 * 0.95, threads.loop_cpu_s
 
 
+class _Bursts:
+    """A stand-in loader whose batches come in bursts of ``per_round`` (as workers that finish together hand them
+    over): the first of each burst after ``gap_s``, the rest at once."""
+
+    def __init__(self, per_round: int, gap_s: float):
+        self.per_round, self.gap_s, self.taken = per_round, gap_s, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.taken % self.per_round == 0:
+            time.sleep(self.gap_s)
+        self.taken += 1
+        return self.taken
+
+
+def test_a_window_ends_after_whole_rounds_of_the_workers():
+    """Three workers' batches come three at a time: every window takes a multiple of three, so no window is cut
+    inside a burst (which read up to a batch too many or too few, and cost a trial extra windows). Time moves only at
+    a burst's first batch, so a window ended by the clock alone would take one past a round, every time."""
+    loader = _Bursts(per_round=3, gap_s=0.01)
+    feed = measure._Feed(loader, loader, None, warm=1, per_round=3)
+    counts = []
+    for _ in range(5):
+        before = feed.batches
+        rate, _, _ = feed.window(0.035)
+        counts.append(feed.batches - before)
+        assert rate > 0
+    assert all(n % 3 == 0 and n >= measure.WINDOW_BATCHES for n in counts), counts
+
+
 def test_auto_trials_carry_the_noise_and_the_cpu():
     """num_workers="auto": the trials tuned on the first epoch have the same readings as fastfeed.tune()'s."""
     loader = fastfeed.DataLoader(Spin(n=6000, cpu_s=0.0005), batch_size=BATCH, num_workers="auto")

@@ -1,7 +1,7 @@
 """Measuring one setting: a loader run for warm-up and then windows, with the user's step.
 
 The objective is steady-state batches/s as the training loop sees it: each window times
-``batches / seconds`` of ``next(it)`` plus the step. The workers of one setting serve all
+``batches / seconds`` of ``next(it)`` plus the step, over whole rounds of the workers. The workers of one setting serve all
 its windows (``persistent_workers=True``, so an epoch boundary costs no restart), warm-up
 batches are discarded, and the median of at least ``MIN_WINDOWS`` windows is the figure; a
 setting whose windows spread more than the tolerance gets more windows, up to ``MAX_WINDOWS``.
@@ -157,7 +157,7 @@ def _windows(loader, trial: Trial, step, tolerance: float, deadline: float, wind
     # past the trial, toward the size of the dataset's Python objects (see offline.Budget).
     start_bytes = private_bytes(pids) if pids else 0
     warm = (loader.num_workers * (loader.prefetch_factor or 0)) + 1
-    feed = _Feed(loader, it, step, warm)
+    feed = _Feed(loader, it, step, warm, per_round=trial.setting.total)
     waits, steps = 0.0, 0.0
     fewest, most = (count, count) if count else (MIN_WINDOWS, MAX_WINDOWS)
     while len(trial.windows) < fewest or (trial.spread > tolerance and len(trial.windows) < most):
@@ -195,8 +195,13 @@ class _Feed:
     and ``persistent_workers`` keeps the workers, so the restart is part of the figure.
     """
 
-    def __init__(self, loader, it, step, warm: int):
+    def __init__(self, loader, it, step, warm: int, per_round: int = 1):
         self.loader, self.it, self.step = loader, it, step
+        # A window ends after whole rounds of the workers (a batch from each, as they deliver in turn): n workers
+        # finishing together hand over n batches at once, and a window cut inside such a burst reads up to a batch
+        # too many or too few. At 32 batches/s (latency-bound samples beside busy loops) that moved a window's rate
+        # by 5-10%, past the tolerance, so the trial ran 6 windows instead of 3 (`fastfeed bench tune`'s (b)).
+        self.per_round = max(1, per_round)
         self.wait = self.stepped = 0.0  # seconds in next() and in the step (and the loop)
         self.batches = 0  # taken after the first
         self.cpu = WindowsCpu()
@@ -227,7 +232,7 @@ class _Feed:
         self.cpu.open()  # outside the timed span: the reading's own cost is no part of the window
         t0 = time.perf_counter()
         n = 0
-        while n < WINDOW_BATCHES or time.perf_counter() - t0 < seconds:
+        while n < WINDOW_BATCHES or time.perf_counter() - t0 < seconds or n % self.per_round:
             self._next()
             n += 1
         sync()
