@@ -356,3 +356,18 @@ def test_on_a_busy_machine_cpu_bound_workers_are_still_seen_as_cpu_bound():
     sleeping.report(Trial(Setting("process", 2, 2), [20.0] * 3, stall_fraction=0.5, others_cores=0.05,
                           worker_cpu_s=0.005, load_s=0.1, loop_cpu_s=0.0005))  # fmt: skip
     assert not sleeping.model()["cpu_bound"]
+
+
+def test_beside_busy_loops_loading_in_the_loop_is_measured_when_the_workers_cpu_says_it_could_win():
+    """CPU-bound samples beside two busy loops (`fastfeed bench tune`'s (a), busy): each of 2 workers waits for a core
+    as long as it runs, so its time per batch is 3x its CPU time, and an estimate of loading in the loop from that time
+    (0.5x of the best) never measured num_workers=0, the grid's best there (1.2x the workers'). From the workers' CPU
+    time over the core the others left the loop, it is measured, and chosen."""
+
+    def rate(n: int) -> float:
+        return {0: 79.0, 1: 62.0, 2: 65.0, 3: 65.0, 4: 63.0}[n]
+
+    search = drive(Search(max_workers=4, tolerance=0.03, cores=2), lambda s, n, duel: rate(s.num_workers),
+                   cpu=readings(rate, 0.0098), others=lambda s, n: 1.4, stall=0.98)  # fmt: skip
+    assert any(s.num_workers == 0 for s in search.trials), list(search.trials)
+    assert search.choice().num_workers == 0, search.choice()

@@ -12,8 +12,9 @@ The phases:
    gain is a cost.
 2. **The knee in ``num_workers``**, by bisection over ``[min, max]`` at a fixed prefetch:
    ``num_workers=0`` is another regime (no transport at all; loading in the loop), so it is
-   not bisected: it is measured when the workers' own per-batch time says that loading in
-   the loop could come within ``ZERO_MARGIN`` of the best seen (in-memory data, say).
+   not bisected: it is measured when the workers' own per-batch time (for CPU-bound samples,
+   their CPU time over the core the loop could have) says that loading in the loop could come
+   within ``ZERO_MARGIN`` of the best seen (in-memory data, say; CPU-bound samples beside busy neighbours).
    the smallest count within ``tolerance`` of the best throughput seen. When the best point
    has an unmeasured gap to a clearly worse right neighbour (too many workers for the
    cores), the gap is bisected too: the peak may lie inside it. With CPU readings, counts whose
@@ -319,14 +320,28 @@ class Search:
         """Whether loading in the loop (``num_workers=0``) might rival the best setting measured.
 
         Estimated from the best trial: a batch would take the loop its step time, plus the
-        time a worker spent loading it.
+        time a worker spent loading it. For CPU-bound samples (the best trial's workers used the CPU they could
+        have, as ``model`` reads it) the loading is the workers' CPU time per
+        batch over the share of a core the loop could have (the cores others left, at most one): a worker's own time
+        per batch counts its waits for a core among the other workers as well, which a loop loading alone does not
+        have. Beside two busy loops on 2 cores, ``num_workers=0`` was the grid's best for CPU-bound samples (79
+        batches/s, the workers' 57-68), and a run whose estimate left it unmeasured chose 2 workers, 0.83x of it
+        (`fastfeed bench tune`'s (a), busy).
         """
         measured = [t for t in self._measured() if t.load_s is not None and t.median > 0]
         if not measured:
             return False
         best = max(measured, key=lambda t: t.median)
         step_s = (1 - best.stall_fraction) / best.median
-        return 1 / (best.load_s + step_s) >= ZERO_MARGIN * best.median
+        load_s = best.load_s
+        # CPU-bound by the best trial's own reading, not the model's (which takes the largest share any trial read),
+        # and only from a trial under the load another trial saw too: in a neighbour's burst, waiting workers get so
+        # little of a core that they look CPU-bound.
+        if (self.cores and best.worker_cpu_s and len(measured) > 1 and not self._noisy(best)
+                and best.worker_cpu_s / best.load_s / self._could_get(best) >= CPU_BOUND):
+            loop_core = min(1.0, max(MIN_CORE_SHARE, self.cores - _others(best)))
+            load_s = min(load_s, best.worker_cpu_s / loop_core)
+        return 1 / (load_s + step_s) >= ZERO_MARGIN * best.median
 
     def _next_workers(self) -> Setting | None:
         zero = self._setting(0)
