@@ -1,9 +1,9 @@
 """Measuring one setting: a loader run for warm-up and then windows, with the user's step.
 
 The objective is steady-state batches/s as the training loop sees it: each window times
-``batches / seconds`` of ``next(it)`` plus the step, over whole rounds of the workers. The workers of one setting serve all
-its windows (``persistent_workers=True``, so an epoch boundary costs no restart), warm-up
-batches are discarded, and the median of at least ``MIN_WINDOWS`` windows is the figure; a
+``batches / seconds`` of ``next(it)`` plus the step, over whole rounds of the workers. The workers of one
+setting serve all its windows (``persistent_workers=True``, so an epoch boundary costs no restart),
+warm-up batches are discarded, and the median of at least ``MIN_WINDOWS`` windows is the figure; a
 setting whose windows spread more than the tolerance gets more windows, up to ``MAX_WINDOWS``.
 """
 

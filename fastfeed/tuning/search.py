@@ -338,7 +338,7 @@ class Search:
         # and only from a trial under the load another trial saw too: in a neighbour's burst, waiting workers get so
         # little of a core that they look CPU-bound.
         if (self.cores and best.worker_cpu_s and len(measured) > 1 and not self._noisy(best)
-                and best.worker_cpu_s / best.load_s / self._could_get(best) >= CPU_BOUND):
+                and self._cpu_share(best) >= CPU_BOUND):
             loop_core = min(1.0, max(MIN_CORE_SHARE, self.cores - _others(best)))
             load_s = min(load_s, best.worker_cpu_s / loop_core)
         return 1 / (load_s + step_s) >= ZERO_MARGIN * best.median
@@ -620,7 +620,7 @@ class Search:
         # which lowers their share of their time per batch (it grows, their CPU time does not), so it is taken
         # over the part of a core each could have had: the cores less others' load and the loop's, split between
         # the workers. On a busy machine, CPU-bound workers get a fraction of a core each and use all of it.
-        share = max(min(1.0, t.worker_cpu_s / t.load_s / self._could_get(t)) for t in read)
+        share = max(self._cpu_share(t) for t in read)
         best = max(read, key=lambda t: t.median)
         loop = (best.loop_cpu_s or 0.0) * best.median  # cores the loop keeps busy at the best rate read
         # Rounded to the nearest: a worker that would get less than half a core adds less than it costs in
@@ -628,6 +628,10 @@ class Search:
         useful = max(1, math.floor((self.cores - loop) / share + 0.5))
         return {"cores": self.cores, "cpu_bound": share >= CPU_BOUND, "max_useful_workers": useful,
                 "decided": self._model_decided}  # fmt: skip
+
+    def _cpu_share(self, t: Trial) -> float:
+        """The share of the CPU each of ``t``'s workers could have had (``_could_get``) that they used, at most 1."""
+        return min(1.0, t.worker_cpu_s / t.load_s / self._could_get(t))
 
     def _could_get(self, t: Trial) -> float:
         """The share of a core each of ``t``'s workers could have had: the cores left by other processes (the
