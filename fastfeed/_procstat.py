@@ -100,3 +100,31 @@ def _scanned_stats(root: int) -> dict[int, tuple[int, int]]:
                 out[child] = ticks[child]
                 tree.append(child)
     return out
+
+
+# /proc/<pid>/task/<tid>/schedstat needs CONFIG_SCHED_INFO: where it is missing, run-queue waits are not known.
+HAS_SCHEDSTAT = os.path.exists("/proc/self/schedstat")
+
+
+def run_delay_ns(pids: Collection[int]) -> int | None:
+    """Nanoseconds the threads of ``pids`` have spent runnable but waiting in a run queue for a core, summed over
+    every thread (``/proc/<pid>/task/<tid>/schedstat``, second field); None where the kernel keeps no schedstat.
+
+    A process or thread that exits between two readings takes its share along: differences may fall, and are for
+    the caller to keep at 0 or more. A process already gone counts nothing.
+    """
+    if not HAS_SCHEDSTAT:
+        return None
+    total = 0
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue  # gone
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                    total += int(f.read().split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # the thread exited while we read
+    return total

@@ -52,12 +52,14 @@ def cache_dir(tmp_path, monkeypatch):
 # -- the search, on synthetic noisy curves -----------------------------------------------------
 
 
-def _search(curve, *, hi, noise=0.01, stall=0.5, seed=0, pf_gain=None, **kw):
+def _search(curve, *, hi, noise=0.01, stall=0.5, seed=0, pf_gain=None, tail=None, **kw):
+    """A search run to its end on ``curve`` (batches/s by nw); ``tail``: every trial's ``load_tail``."""
     rng = random.Random(seed)
     search = Search(max_workers=hi, tolerance=0.03, **kw)
     while (s := search.propose()) is not None:
         level = curve(s.num_workers) * (pf_gain(s.prefetch_factor) if pf_gain and s.prefetch_factor else 1)
-        search.report(Trial(s, [level * (1 + rng.uniform(-noise, noise)) for _ in range(3)], stall_fraction=stall))
+        search.report(Trial(s, [level * (1 + rng.uniform(-noise, noise)) for _ in range(3)], stall_fraction=stall,
+                            load_tail=tail if s.num_workers else None))  # fmt: skip
     return search
 
 
@@ -105,6 +107,24 @@ def test_search_prefetch_follows_its_gain_and_memory():
     assert all(t.setting.prefetch_factor != 1 for t in flat.order)
     tight = _search(lambda n: min(n, 2) * 100 + 1, hi=4, pf_gain=lambda pf: 1.0, tight=lambda s: True)
     assert tight.choice().prefetch_factor == 1
+
+
+def test_search_tries_a_deeper_prefetch_only_when_slow_batches_outlast_the_prefetch():
+    """Batches whose slowest (95th percentile) last 1.4 typical ones: 2 per worker absorb them, so prefetch 4 is not
+    measured and a note says why; memory tight, 1 is still tried. Slow ones lasting 3 typical ones: 4 is measured,
+    and kept when it gains."""
+    curve = lambda n: min(n, 2) * 100 + 1  # noqa: E731
+    gain = lambda pf: {1: 0.8, 2: 1, 4: 1.2, 8: 1.21}[pf]  # noqa: E731
+    steady = _search(curve, hi=4, pf_gain=gain, tail=1.4)
+    assert all(t.setting.prefetch_factor in (2, None) for t in steady.order), steady.order
+    assert steady.choice().prefetch_factor == 2
+    assert [n for n in steady.notes if n.startswith("prefetch_factor 4 not tried")], steady.notes
+    assert "1.4x a typical one" in steady.notes[0]
+    tight = _search(curve, hi=4, pf_gain=lambda pf: 1.0, tail=1.4, tight=lambda s: True)
+    assert {t.setting.prefetch_factor for t in tight.order} == {1, 2} and tight.choice().prefetch_factor == 1
+    tailed = _search(curve, hi=4, pf_gain=gain, tail=3.0)
+    assert tailed.choice().prefetch_factor == 4
+    assert not [n for n in tailed.notes if n.startswith("prefetch_factor 4 not tried")], tailed.notes
 
 
 def test_search_skips_what_does_not_fit_and_says_why():

@@ -205,20 +205,22 @@ def test_a_noisy_duel_round_is_measured_again():
 CORES = 2
 GRID = 1 + 2 * CORES * 4  # nw=0, and nw 1..4 x prefetch 1, 2, 4, 8: the bench's exhaustive grid
 DUEL_COST = 2 / 3  # a duel's round: 2 windows of an ordinary trial's 3
-# name: (batches/s by nw, stall fraction, the workers' CPU s per batch, the loop's, a worker's s per batch by nw)
+# name: (batches/s by nw, stall fraction, the workers' CPU s per batch, the loop's, a worker's s per batch by nw,
+# the part of it the worker sleeps (the rest it runs or waits for a core), the slowest batches over a typical one)
 WORKLOADS = {
-    "cpu-bound": (cpu2, 0.5, 0.97 / 62, 0.001, lambda n: n / cpu2(n)),
-    "latency-bound": (lambda n: n * 50.0 if n else 20.0, 0.5, 0.002, 0.001, lambda n: 0.02),
-    "slow step": (lambda n: 19.5 if n == 0 else 20.0, 0.01, 0.0008, 0.001, lambda n: 0.0009),
-    "in-memory": (lambda n: 500.0 if n == 0 else 300.0, 0.4, 0.001, 0.002, lambda n: 0.0012),
+    "cpu-bound": (cpu2, 0.5, 0.97 / 62, 0.001, lambda n: n / cpu2(n), 0.0, 1.5),
+    "latency-bound": (lambda n: n * 50.0 if n else 20.0, 0.5, 0.002, 0.001, lambda n: 0.02, 0.018, 1.05),
+    "slow step": (lambda n: 19.5 if n == 0 else 20.0, 0.01, 0.0008, 0.001, lambda n: 0.0009, 0.0001, 1.0),
+    "in-memory": (lambda n: 500.0 if n == 0 else 300.0, 0.4, 0.001, 0.002, lambda n: 0.0012, 0.0002, 1.1),
 }
 
 
-def simulate(name: str, seed: int, noise=0.15, bursts=0.15) -> tuple[float, float, Search]:
+def simulate(name: str, seed: int, noise=0.15, bursts=0.15, waits=True) -> tuple[float, float, Search]:
     """One tuning on a noisy machine: each trial's level is off by up to ``noise`` either way, its windows by 2%
     more, and a ``bursts`` share of trials (duel rounds too) run during a neighbour's burst (0.6x, others holding
-    1.2-1.7 cores). Returns the choice's true throughput over the best's, the cost in ordinary trials, the search."""
-    rate, stall, cpu_s, loop_s, load_s = WORKLOADS[name]
+    1.2-1.7 cores). ``waits``: the trials carry the workers' run-queue waits (False: a kernel without schedstat).
+    Returns the choice's true throughput over the best's, the cost in ordinary trials, the search."""
+    rate, stall, cpu_s, loop_s, load_s, sleep_s, tail = WORKLOADS[name]
     rng = random.Random(seed)
     search = Search(max_workers=2 * CORES, tolerance=0.03, cores=CORES)
     cost = 0.0
@@ -227,7 +229,9 @@ def simulate(name: str, seed: int, noise=0.15, bursts=0.15) -> tuple[float, floa
         others = rng.uniform(0, 0.2)
         if rng.random() < bursts:
             level, others = level * 0.6, 1.2 + rng.uniform(0, 0.5)
-        cpu = {"worker_cpu_s": cpu_s, "load_s": load_s(s.num_workers)} if s.num_workers else {}
+        cpu = {"worker_cpu_s": cpu_s, "load_s": load_s(s.num_workers), "load_tail": tail} if s.num_workers else {}
+        if cpu and waits:
+            cpu["worker_wait_s"] = max(0.0, load_s(s.num_workers) - cpu_s - sleep_s)
         windows = [level * (1 + rng.uniform(-0.02, 0.02)) for _ in range(2 if search.in_duel else 3)]
         cost += DUEL_COST if search.in_duel else 1
         search.report(Trial(s, windows, stall_fraction=stall, others_cores=others, loop_cpu_s=loop_s, **cpu))
@@ -235,27 +239,30 @@ def simulate(name: str, seed: int, noise=0.15, bursts=0.15) -> tuple[float, floa
     return rate(search.choice().num_workers) / best, cost, search
 
 
-def test_on_a_simulated_noisy_machine_the_choice_is_within_5_percent_of_the_best():
-    """200 seeded tunings of each of four workloads with 15% noise per trial and bursts on 15% of trials: every
-    choice's true throughput is at least 0.95 of the best, and the cost (a duel's round as 2/3 of a trial) is 0.3 of
-    the exhaustive grid's on average (0.35 at most for any one workload's average); duels stay within their bounds.
+@pytest.mark.parametrize("waits", [True, False], ids=["waits", "no-schedstat"])
+def test_on_a_simulated_noisy_machine_the_choice_is_within_5_percent_of_the_best(waits):
+    """200 seeded tunings of each of four workloads with 15% noise per trial and bursts on 15% of trials, with the
+    workers' run-queue waits read and without (a kernel without schedstat): every choice's true throughput is at
+    least 0.95 of the best, and the cost (a duel's round as 2/3 of a trial) is a quarter of the exhaustive grid's on
+    average (0.3 at most for any one workload's average); duels stay within their bounds.
 
-    Measured (this commit): quality 1.00 at the minimum on cpu-, latency-bound and in-memory, 0.975 (nw=0 under
-    a slow step, 2.5% below the rest) on the slow step; cost / grid, mean (90th percentile, max): cpu-bound 0.26
-    (0.39, 0.63), latency-bound 0.32 (0.43, 0.61), slow step 0.18 (0.24, 0.35), in-memory 0.28 (0.35, 0.41).
+    Measured (this commit), with waits and without alike but for in-memory: quality 1.00 at the minimum on cpu-,
+    latency-bound and in-memory, 0.975 (nw=0 under a slow step, 2.5% below the rest) on the slow step; cost / grid,
+    mean (90th percentile, max): cpu-bound 0.16 (0.24, 0.43), latency-bound 0.19 (0.24, 0.41), slow step 0.17
+    (0.24, 0.29), in-memory 0.26 with waits, 0.21 without (0.29, 0.35).
     """
     means = {}
     for name in WORKLOADS:
         quality, costs = [], []
         for seed in range(200):
-            q, cost, search = simulate(name, seed)
+            q, cost, search = simulate(name, seed, waits=waits)
             quality.append(q)
             costs.append(cost / GRID)
             assert len(search.duels) <= MAX_DUELS and all(len(d.rounds) <= MAX_ROUNDS for d in search.duels)
         assert min(quality) >= 0.95, (name, sorted(quality)[:5])
         means[name] = statistics.fmean(costs)
-        assert means[name] <= 0.35, (name, means[name])
-    assert statistics.fmean(means.values()) <= 0.3, means
+        assert means[name] <= 0.3, (name, means[name])
+    assert statistics.fmean(means.values()) <= 0.25, means
 
 
 def test_without_noise_readings_nothing_is_repeated_and_duels_stay_bounded():
@@ -356,6 +363,25 @@ def test_on_a_busy_machine_cpu_bound_workers_are_still_seen_as_cpu_bound():
     sleeping.report(Trial(Setting("process", 2, 2), [20.0] * 3, stall_fraction=0.5, others_cores=0.05,
                           worker_cpu_s=0.005, load_s=0.1, loop_cpu_s=0.0005))  # fmt: skip
     assert not sleeping.model()["cpu_bound"]
+
+
+def test_beside_busy_loops_workers_that_wait_for_a_core_are_read_by_the_time_they_did_not_wait():
+    """Two busy loops hold 1.95 of 2 cores (`fastfeed bench tune`'s (b), busy): latency-bound workers wait 44 of
+    their 62 ms per batch in a run queue (each sleep ends in one) and use 2.5 ms of CPU, 0.14 of the rest: not
+    CPU-bound, so the model asks for no duel of worker counts, whose choice of 4 (latency-bound, more is better)
+    stands. CPU-bound ones that wait 90 of their 100 ms use all of the 10 ms left: CPU-bound."""
+    rate = lambda n: 16.0 * n if n else 56.0  # noqa: E731
+    waiting = lambda s: ({"worker_cpu_s": 0.0025, "load_s": 0.062, "loop_cpu_s": 0.0005, "worker_wait_s": 0.044}
+                         if s.num_workers else {"loop_cpu_s": 0.0005})  # noqa: E731  # fmt: skip
+    search = drive(Search(max_workers=4, tolerance=0.03, cores=2), lambda s, n, duel: rate(s.num_workers),
+                   cpu=waiting, others=lambda s, n: 1.95, stall=0.98)  # fmt: skip
+    assert not search.model()["cpu_bound"], search.model()
+    assert not any(d.reason.startswith("the model") for d in search.duels), search.notes
+    assert search.choice().num_workers == 4
+    busy = Search(max_workers=4, tolerance=0.03, cores=2)
+    busy.report(Trial(Setting("process", 2, 2), [20.0] * 3, stall_fraction=0.5, others_cores=1.8, worker_cpu_s=0.01,
+                      load_s=0.1, loop_cpu_s=0.0005, worker_wait_s=0.09))  # fmt: skip
+    assert busy.model()["cpu_bound"], busy.model()
 
 
 def test_beside_busy_loops_loading_in_the_loop_is_measured_when_the_workers_cpu_says_it_could_win():

@@ -23,6 +23,7 @@ from fastfeed._procstat import CLK_TCK
 from fastfeed.tuning import measure
 from fastfeed.tuning.noise import CpuMeter, Reading, usage
 from fastfeed.tuning.result import Setting, Trial, TuneResult
+from fastfeed.tuning.search import CPU_BOUND, DEFAULT_PREFETCH, Search
 
 pytestmark = pytest.mark.fastfeed_only
 
@@ -226,6 +227,88 @@ def test_without_worker_processes_the_loop_spends_the_cpu():
     assert threads.loop_cpu_s >= BATCH * 0.002 * 0.95, threads.loop_cpu_s
 
 
+class _Tail(Spin):
+    """Samples that wait ``sleep_s``, and every ``every``-th ``late_s`` more: with 4 a batch, a quarter of the
+    batches are slow."""
+
+    def __init__(self, sleep_s=0.003, every=16, late_s=0.06):
+        super().__init__(sleep_s=sleep_s)
+        self.every, self.late_s = every, late_s
+
+    def __getitem__(self, i):
+        if i % self.every == 0:
+            time.sleep(self.late_s)
+        return super().__getitem__(i)
+
+
+def test_a_trial_says_how_long_its_slowest_batches_last():
+    """Samples that cost the same each time: the slowest batches (95th percentile) last about as long as a typical
+    one, within what the default prefetch absorbs; a quarter of the batches 60 ms late, against 12 ms: several."""
+    steady = _trial(Spin(sleep_s=0.003), Setting("process", 2, 2))
+    assert 1.0 <= steady.load_tail <= DEFAULT_PREFETCH, steady.load_tail
+    tailed = _trial(_Tail(), Setting("process", 2, 2))
+    assert tailed.load_tail >= 3, tailed.load_tail
+    assert _trial(Spin(sleep_s=0.003), Setting("process", 0, None)).load_tail is None  # no workers, no records
+
+
+needs_schedstat = pytest.mark.skipif(not _procstat.HAS_SCHEDSTAT, reason="the kernel keeps no schedstat")
+
+
+@contextlib.contextmanager
+def _one_cpu():
+    """This process on one of its CPUs while the block runs (what it starts inherits that), then all of them again."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+@needs_schedstat
+def test_run_delay_is_the_time_processes_waited_for_a_core():
+    """Three processes spinning on one CPU each wait for it about two thirds of the time: over a second, the run
+    queue held them about two seconds together (more on a busy CPU); one that sleeps waited next to nothing, and a
+    process gone counts nothing."""
+    with _one_cpu():
+        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.5)  # their interpreters up
+        pids = [p.pid for p in spinners]
+        a, slept_a, t0 = _procstat.run_delay_ns(pids), _procstat.run_delay_ns([sleeper.pid]), time.monotonic()
+        time.sleep(1.0)
+        b, slept_b, t1 = _procstat.run_delay_ns(pids), _procstat.run_delay_ns([sleeper.pid]), time.monotonic()
+    finally:
+        for p in [*spinners, sleeper]:
+            p.kill()
+            p.wait()
+    assert (b - a) / 1e9 / (t1 - t0) >= 1.0, (a, b)
+    assert (slept_b - slept_a) / 1e9 <= 0.05, (slept_a, slept_b)
+    assert _procstat.run_delay_ns([sleeper.pid]) == 0
+
+
+@needs_schedstat
+def test_cpu_bound_workers_sharing_a_core_wait_for_it_and_read_cpu_bound():
+    """Two workers of CPU-bound samples on one core: each waits for it about as long as it runs. The trial reads
+    the waits, and the search the workers as CPU-bound: they used all the time they did not wait."""
+    with _one_cpu():
+        trial = _trial(Spin(cpu_s=0.004), Setting("process", 2, 2))
+    assert trial.worker_wait_s >= 0.3 * trial.load_s, (trial.worker_wait_s, trial.load_s)
+    assert Search(max_workers=2, tolerance=0.03, cores=1)._cpu_share(trial) >= CPU_BOUND
+
+
+@needs_schedstat
+def test_sleeping_workers_beside_a_spinning_neighbour_do_not_read_cpu_bound():
+    """Workers whose samples wait 5 ms, on one core that a spinning stranger holds: each sleep ends in a run queue,
+    so part of their time per batch is a wait for the core; of the rest they used little: not CPU-bound."""
+    with _one_cpu(), _stranger():
+        time.sleep(0.3)  # its interpreter up
+        trial = _trial(Spin(sleep_s=0.005), Setting("process", 2, 2))
+    assert trial.worker_wait_s is not None and trial.worker_wait_s > 0
+    assert Search(max_workers=2, tolerance=0.03, cores=1)._cpu_share(trial) < CPU_BOUND, trial
+
+
 class _Bursts:
     """A stand-in loader whose batches come in bursts of ``per_round`` (as workers that finish together hand them
     over): the first of each burst after ``gap_s``, the rest at once."""
@@ -282,7 +365,8 @@ def test_results_saved_before_the_readings_load_and_new_ones_round_trip():
            "stall_fraction": 0.5, "skipped": None, "seconds": 1.0}  # fmt: skip
     t = Trial.from_dict(old)
     assert (t.others_cores, t.worker_cpu_s, t.loop_cpu_s, t.repeated) == (None, None, None, 0)
-    new = Trial(Setting("process", 2, 2), [10.0], others_cores=0.7, worker_cpu_s=0.01, loop_cpu_s=0.002, repeated=1)
+    new = Trial(Setting("process", 2, 2), [10.0], others_cores=0.7, worker_cpu_s=0.01, loop_cpu_s=0.002, repeated=1,
+                worker_wait_s=0.004, load_tail=1.3)
     again = Trial.from_dict(new.as_dict())
     assert again == new
     result = TuneResult(2, 2, "process", 10.0, None, 0.5, True, [t, new], 1.0, True)

@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 import torch
 
-from .. import _memory, transfer
+from .. import _memory, _procstat, transfer
+from ..stats import quantile
 from .noise import CpuMeter, usage
 from .result import Setting, Trial
 
@@ -56,6 +57,19 @@ def load_seconds(st) -> float | None:
     if st.fetch_mean_s is None:
         return None
     return st.fetch_mean_s + (st.collate_mean_s or 0.0)
+
+
+def load_tail(rec) -> float | None:
+    """``Trial.load_tail`` from a loader's recorder (``stats.Recorder``): the 95th percentile of the workers' time
+    per batch (fetch and collate), or of the loop's step when that is longer, over their median; None without
+    workers' records."""
+    if rec is None:
+        return None
+    times = [f + c for fetch, collate in zip(rec.fetch, rec.collate) for f, c in zip(fetch, collate)]
+    typical = quantile(times, 0.5)
+    if not typical:
+        return None
+    return max(quantile(times, 0.95), quantile(rec.steps(), 0.95) or 0.0) / typical
 
 
 def batch_bytes(batch) -> int:
@@ -157,7 +171,8 @@ def _windows(loader, trial: Trial, step, tolerance: float, deadline: float, wind
     # past the trial, toward the size of the dataset's Python objects (see offline.Budget).
     start_bytes = private_bytes(pids) if pids else 0
     warm = (loader.num_workers * (loader.prefetch_factor or 0)) + 1
-    feed = _Feed(loader, it, step, warm, per_round=trial.setting.total)
+    # The workers' run-queue waits are read for local process workers only: a Ray actor's are another machine's.
+    feed = _Feed(loader, it, step, warm, per_round=trial.setting.total, pids=() if trial.setting.remote else pids)
     waits, steps = 0.0, 0.0
     fewest, most = (count, count) if count else (MIN_WINDOWS, MAX_WINDOWS)
     while len(trial.windows) < fewest or (trial.spread > tolerance and len(trial.windows) < most):
@@ -169,6 +184,7 @@ def _windows(loader, trial: Trial, step, tolerance: float, deadline: float, wind
         waits, steps = waits + wait, steps + stepped
     trial.stall_fraction = waits / (waits + steps) if waits + steps > 0 else 0.0
     trial.load_s = load_seconds(loader.stats())
+    trial.load_tail = load_tail(getattr(loader, "_ff_stats", None))
     pids = _worker_pids(loader) or pids
     feed.cpu.settle(trial, workers=bool(pids) and not trial.setting.remote)
     if pids:
@@ -195,7 +211,7 @@ class _Feed:
     and ``persistent_workers`` keeps the workers, so the restart is part of the figure.
     """
 
-    def __init__(self, loader, it, step, warm: int, per_round: int = 1):
+    def __init__(self, loader, it, step, warm: int, per_round: int = 1, pids=()):
         self.loader, self.it, self.step = loader, it, step
         # A window ends after whole rounds of the workers (a batch from each, as they deliver in turn): n workers
         # finishing together hand over n batches at once, and a window cut inside such a burst reads up to a batch
@@ -204,7 +220,7 @@ class _Feed:
         self.per_round = max(1, per_round)
         self.wait = self.stepped = 0.0  # seconds in next() and in the step (and the loop)
         self.batches = 0  # taken after the first
-        self.cpu = WindowsCpu()
+        self.cpu = WindowsCpu(pids)
         for _ in range(warm - 1):  # the first batch was taken already
             self._next()
 
@@ -245,23 +261,38 @@ class WindowsCpu:
     """The CPU readings of a trial's windows, summed: a meter reading at each window's edges (``noise``).
 
     Only the windows count, not the warm-up nor the time between windows, as for the batches/s.
+
+    ``pids``: the workers' processes, whose run-queue waits (``_procstat.run_delay_ns``) are read at the same
+    edges; none (threads, Ray actors, ``num_workers=0``, a loader whose workers are not known): not read.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, pids=()) -> None:
         self.meter = CpuMeter()
+        self.pids = list(pids)
         self._start = None
+        self._delay: int | None = None  # the workers' run-queue nanoseconds at the window's start
         self.seconds = self.others_s = self.own_s = self.children_s = 0.0  # others_s: core-seconds
+        self.wait_s: float | None = 0.0 if self.pids else None
         self.batches = 0
 
     def open(self) -> None:
         """A window begins."""
         self._start = self.meter.read()
+        if self.wait_s is not None:
+            self._delay = _procstat.run_delay_ns(self.pids)
 
     def close(self, batches: int) -> None:
         """The window begun at ``open()`` has ended, after ``batches`` batches; the next one may begin here."""
         end = self.meter.read()
         u = usage(self._start, end)
         self._start = end
+        if self.wait_s is not None:
+            delay = _procstat.run_delay_ns(self.pids)
+            if delay is None or self._delay is None:
+                self.wait_s = None  # the kernel keeps none
+            else:
+                self.wait_s += max(0, delay - self._delay) / 1e9
+                self._delay = delay
         self.seconds += u.seconds
         self.others_s += u.others_cores * u.seconds
         self.own_s += u.own_cpu_s
@@ -270,9 +301,12 @@ class WindowsCpu:
 
     def settle(self, trial: Trial, workers: bool) -> None:
         """Set ``trial``'s ``others_cores`` (over the windows' time), ``loop_cpu_s`` and, with ``workers`` (the
-        loader's local worker processes, none remote: the descendants' CPU is theirs), ``worker_cpu_s``."""
+        loader's local worker processes, none remote: the descendants' CPU is theirs), ``worker_cpu_s`` and, where
+        read, ``worker_wait_s``."""
         if self.seconds > 0:
             trial.others_cores = self.others_s / self.seconds
         if self.batches:
             trial.loop_cpu_s = self.own_s / self.batches
             trial.worker_cpu_s = self.children_s / self.batches if workers else None
+            if workers and self.wait_s is not None:
+                trial.worker_wait_s = self.wait_s / self.batches

@@ -34,7 +34,8 @@ from .. import affinity, stats
 from .._iterator import RingDataLoaderIter
 from .._single import SingleProcessIter
 from . import agree
-from .measure import MAX_WINDOWS, MIN_WINDOWS, WINDOW_BATCHES, WindowsCpu, batch_bytes, load_seconds, private_bytes
+from .measure import (MAX_WINDOWS, MIN_WINDOWS, WINDOW_BATCHES, WindowsCpu, batch_bytes, load_seconds, load_tail,
+                      private_bytes)
 from .result import Setting, Trial, TuneResult
 from .search import Search
 
@@ -315,6 +316,7 @@ class TuningIter:
             current = self._current
             if current._stats is not None:
                 run.trial.load_s = load_seconds(stats.Stats.of(current._stats))
+                run.trial.load_tail = load_tail(current._stats)
             pool = getattr(current, "_pool", None)
             if pool is not None and not current._threads:  # its workers' memory, while they live
                 run.trial.worker_bytes = private_bytes(pool.pids)

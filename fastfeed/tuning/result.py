@@ -69,6 +69,13 @@ class Trial:
         loop_cpu_s: this process's own CPU seconds per batch over the windows (the training loop, the pin thread,
             and thread workers); None when not measured.
         repeated: how many times the setting was measured again because others held the cores.
+        worker_wait_s: the workers' seconds per batch spent runnable but waiting in a run queue for a core, over the
+            windows (``/proc``'s schedstat; process workers; None where the kernel keeps none): their time per batch
+            less this is what it would be with a core each, which tells CPU-bound samples from sleeping ones
+            however busy the machine.
+        load_tail: the slowest batches' time (the 95th percentile of a worker's time per batch, or of the loop's
+            step when that is longer) over a worker's median time per batch: how many typical batches a slow one
+            lasts (near 1 for samples that cost the same each time); None without workers.
     """
 
     setting: Setting
@@ -85,6 +92,8 @@ class Trial:
     worker_cpu_s: float | None = None
     loop_cpu_s: float | None = None
     repeated: int = 0
+    worker_wait_s: float | None = None
+    load_tail: float | None = None
 
     @property
     def growth_bytes(self) -> int:
@@ -112,7 +121,7 @@ class Trial:
         return cls(Setting(**d["setting"]), list(d["windows"]), d["stall_fraction"], d["skipped"], d["seconds"],
                    d.get("batch_bytes", 0), d.get("worker_bytes", 0), d.get("load_s"), d.get("worker_start_bytes", 0),
                    d.get("samples_per_worker", 0.0), d.get("others_cores"), d.get("worker_cpu_s"), d.get("loop_cpu_s"),
-                   d.get("repeated", 0))  # fmt: skip
+                   d.get("repeated", 0), d.get("worker_wait_s"), d.get("load_tail"))  # fmt: skip
 
 
 @dataclass

@@ -21,7 +21,8 @@ The phases:
    workers could not reach the best even on a core each are not measured (``_out_of_reach``), and
    for CPU-bound samples the range ends one above what the cores can run (``_model_top``).
 3. **``prefetch_factor``** at the knee, from ``PREFETCH``: 4 first; 8 only when 4 gained
-   more than the tolerance; else 1, when memory is tight (a batch less per worker).
+   more than the tolerance; else 1, when memory is tight (a batch less per worker). Where the knee's slowest
+   batches last no longer than ``DEFAULT_PREFETCH`` typical ones (``_steady``), 4 is not tried: only 1, when tight.
 4. **``worker_type``**, when several are allowed, at the chosen counts.
 5. **Remote workers** (``max_remote``, ``fastfeed.tune(remote=...)``): the local workers fixed at the
    choice so far, Ray actors added beside them (Pecan's order: the host's own cores first, the
@@ -432,13 +433,17 @@ class Search:
             at = {pf: self.trials.get(self._setting(knee.num_workers, pf, knee.worker_type)) for pf in PREFETCH}
             t = {pf: tr.median for pf, tr in at.items() if tr is not None and tr.windows}
             base = t.get(DEFAULT_PREFETCH)
+            tight = self.tight(self._setting(knee.num_workers, DEFAULT_PREFETCH, knee.worker_type))
             order = []
-            if base is not None:
+            if base is not None and self._steady(at[DEFAULT_PREFETCH]):
+                if tight:
+                    order.append(1)  # less memory, when memory is what is short
+            elif base is not None:
                 order.append(4)
                 if 4 in t and t[4] > (1 + self.tolerance) * base:
                     order.append(8)
-                elif 4 in t and self.tight(self._setting(knee.num_workers, DEFAULT_PREFETCH, knee.worker_type)):
-                    order.append(1)  # less memory, when memory is what is short
+                elif 4 in t and tight:
+                    order.append(1)
             for pf in order:
                 if at[pf] is None:
                     proposal = self._new(self._setting(knee.num_workers, pf, knee.worker_type))
@@ -446,6 +451,23 @@ class Search:
                         return proposal
         self._phase = "types"
         return _NEXT_PHASE
+
+    def _steady(self, trial: Trial) -> bool:
+        """Whether ``trial``'s slowest batches (``Trial.load_tail``) last no longer than ``DEFAULT_PREFETCH`` typical
+        ones: a worker runs ahead until it has ``prefetch_factor`` batches waiting, so while one batch is slow the
+        others go on working for that long, and a deeper prefetch would only hold more memory. Said in a note.
+
+        In `fastfeed bench tune`, CPU-bound samples' slowest batches lasted 1.2-1.7 typical ones (sharing the cores)
+        and latency-bound ones' 1.0-1.1: prefetch 4 was a tie with 2 in every duel of two runs, at 2-4 s a duel; a
+        heavy tail (3% of samples 15 ms late) lasted 3-12.
+        """
+        if trial.load_tail is None or trial.load_tail > DEFAULT_PREFETCH:
+            return False
+        if not any(n.startswith(_STEADY) for n in self.notes):
+            self.notes.append(f"{_STEADY} {trial.setting}'s slowest batches (the 95th percentile) took "
+                              f"{trial.load_tail:.1f}x a typical one, which its {DEFAULT_PREFETCH} batches per "
+                              "worker absorb")  # fmt: skip
+        return True
 
     def _types(self):
         chosen = self._knee()
@@ -616,10 +638,14 @@ class Search:
         read = [t for t in self._measured() if t.worker_cpu_s and t.load_s and t.setting.num_workers > 0]
         if not read:
             return None
-        # The largest share read, of the CPU each worker could get: workers sharing too few cores wait for one,
-        # which lowers their share of their time per batch (it grows, their CPU time does not), so it is taken
-        # over the part of a core each could have had: the cores less others' load and the loop's, split between
-        # the workers. On a busy machine, CPU-bound workers get a fraction of a core each and use all of it.
+        # Not from a trial in a neighbour's burst, where there are others: without run-queue waits, the CPU the
+        # workers could have had is estimated from the cores the others left, and a burst that left them a sliver
+        # makes sleeping workers look CPU-bound (a seeded simulation chose 3 latency-bound workers of 4, 0.75x).
+        read = [t for t in read if not self._noisy(t)] or read
+        # The largest share read, of the CPU each worker could get (``_cpu_share``): workers sharing too few cores
+        # wait for one, which lowers their share of their time per batch (it grows, their CPU time does not), so it
+        # is taken over the time they did not wait. On a busy machine, CPU-bound workers get a fraction of a core
+        # each and use all of it.
         share = max(self._cpu_share(t) for t in read)
         best = max(read, key=lambda t: t.median)
         loop = (best.loop_cpu_s or 0.0) * best.median  # cores the loop keeps busy at the best rate read
@@ -630,7 +656,17 @@ class Search:
                 "decided": self._model_decided}  # fmt: skip
 
     def _cpu_share(self, t: Trial) -> float:
-        """The share of the CPU each of ``t``'s workers could have had (``_could_get``) that they used, at most 1."""
+        """The share of the CPU each of ``t``'s workers could have had that they used, at most 1.
+
+        Where their run-queue waits were read (``Trial.worker_wait_s``), the CPU they could have had is their time
+        per batch less those waits: a worker with a core of its own would have run or slept through the rest. Beside
+        two busy loops on 2 cores, latency-bound workers waited 44 of their 62 ms per batch for a core (each 1 ms
+        sleep ended in a queue) and used 1.3 ms: 0.07 of the rest, where the estimate from the cores the others left
+        (``_could_get``, for kernels without schedstat) read 0.67, near ``CPU_BOUND``, and once over it asked for two
+        duels of worker counts (`fastfeed bench tune`'s (b), busy: 0.53x the grid's time).
+        """
+        if t.worker_wait_s is not None:
+            return min(1.0, t.worker_cpu_s / max(t.load_s - t.worker_wait_s, 1e-9))
         return min(1.0, t.worker_cpu_s / t.load_s / self._could_get(t))
 
     def _could_get(self, t: Trial) -> float:
@@ -676,6 +712,7 @@ class Search:
 _NEXT_PHASE = object()  # a phase is over: ask the next one
 _MODEL = "the model"  # how a duel the model asked for is named
 _BEST = "the best measured"  # ... and one of the best against the choice
+_STEADY = "prefetch_factor 4 not tried:"  # the note that says why
 
 
 def _others(trial: Trial) -> float:
