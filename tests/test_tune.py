@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 
 import fastfeed
+from fastfeed.tuning import measure, offline
 from fastfeed.tuning.recheck import Recheck
 from fastfeed.tuning.result import Setting, Trial
 from fastfeed.tuning.search import Search
@@ -52,14 +53,18 @@ def cache_dir(tmp_path, monkeypatch):
 # -- the search, on synthetic noisy curves -----------------------------------------------------
 
 
-def _search(curve, *, hi, noise=0.01, stall=0.5, seed=0, pf_gain=None, tail=None, **kw):
-    """A search run to its end on ``curve`` (batches/s by nw); ``tail``: every trial's ``load_tail``."""
+def _search(curve, *, hi, noise=0.01, stall=0.5, seed=0, pf_gain=None, tail=None, cpu_share=None, **kw):
+    """A search run to its end on ``curve`` (batches/s by nw). ``tail``: every trial's ``load_tail``; ``cpu_share``:
+    the share of their time per batch the workers spend on the CPU (None: not read)."""
     rng = random.Random(seed)
     search = Search(max_workers=hi, tolerance=0.03, **kw)
     while (s := search.propose()) is not None:
         level = curve(s.num_workers) * (pf_gain(s.prefetch_factor) if pf_gain and s.prefetch_factor else 1)
+        read = {"load_tail": tail}
+        if cpu_share is not None:
+            read.update(worker_cpu_s=0.02 * cpu_share, load_s=0.02, worker_wait_s=0.0)
         search.report(Trial(s, [level * (1 + rng.uniform(-noise, noise)) for _ in range(3)], stall_fraction=stall,
-                            load_tail=tail if s.num_workers else None))  # fmt: skip
+                            **(read if s.num_workers else {})))  # fmt: skip
     return search
 
 
@@ -110,21 +115,24 @@ def test_search_prefetch_follows_its_gain_and_memory():
 
 
 def test_search_tries_a_deeper_prefetch_only_when_slow_batches_outlast_the_prefetch():
-    """Batches whose slowest (95th percentile) last 1.4 typical ones: 2 per worker absorb them, so prefetch 4 is not
-    measured and a note says why; memory tight, 1 is still tried. Slow ones lasting 3 typical ones: 4 is measured,
-    and kept when it gains."""
+    """Workers that mostly wait (a tenth of their time on the CPU), whose slowest batches (95th percentile) last 1.4
+    typical ones: 2 per worker absorb them, so prefetch 4 is not measured and a note says why; memory tight, 1 is
+    still tried. Slow ones lasting 3 typical ones, or CPU-bound workers (which wait for a core once a slot frees):
+    4 is measured, and kept when it gains."""
     curve = lambda n: min(n, 2) * 100 + 1  # noqa: E731
     gain = lambda pf: {1: 0.8, 2: 1, 4: 1.2, 8: 1.21}[pf]  # noqa: E731
-    steady = _search(curve, hi=4, pf_gain=gain, tail=1.4)
+    steady = _search(curve, hi=4, pf_gain=gain, tail=1.4, cpu_share=0.1, cores=2)
     assert all(t.setting.prefetch_factor in (2, None) for t in steady.order), steady.order
     assert steady.choice().prefetch_factor == 2
     assert [n for n in steady.notes if n.startswith("prefetch_factor 4 not tried")], steady.notes
     assert "1.4x a typical one" in steady.notes[0]
-    tight = _search(curve, hi=4, pf_gain=lambda pf: 1.0, tail=1.4, tight=lambda s: True)
+    tight = _search(curve, hi=4, pf_gain=lambda pf: 1.0, tail=1.4, cpu_share=0.1, cores=2, tight=lambda s: True)
     assert {t.setting.prefetch_factor for t in tight.order} == {1, 2} and tight.choice().prefetch_factor == 1
-    tailed = _search(curve, hi=4, pf_gain=gain, tail=3.0)
-    assert tailed.choice().prefetch_factor == 4
-    assert not [n for n in tailed.notes if n.startswith("prefetch_factor 4 not tried")], tailed.notes
+    for tailed in (_search(curve, hi=4, pf_gain=gain, tail=3.0, cpu_share=0.1, cores=2),
+                   _search(curve, hi=4, pf_gain=gain, tail=1.4, cpu_share=1.0, cores=2),
+                   _search(curve, hi=4, pf_gain=gain, tail=1.4)):  # fmt: skip
+        assert tailed.choice().prefetch_factor == 4
+        assert not [n for n in tailed.notes if n.startswith("prefetch_factor 4 not tried")], tailed.notes
 
 
 def test_search_skips_what_does_not_fit_and_says_why():
@@ -138,12 +146,23 @@ def test_search_skips_what_does_not_fit_and_says_why():
 # -- fastfeed.tune() ------------------------------------------------------------------------------
 
 
-def test_tune_chooses_workers_for_a_latency_bound_dataset_and_saves_a_config(tmp_path):
-    """A latency-bound dataset gets workers; the saved config builds a loader; the table lists every trial."""
+def test_tune_chooses_workers_for_a_latency_bound_dataset_and_saves_a_config(tmp_path, monkeypatch):
+    """A latency-bound dataset gets workers; the saved config builds a loader; the table lists every trial. Each
+    trial was asked for exactly offline.TRIAL_WINDOWS windows (a duel's round for DUEL_WINDOWS), never more for
+    their spread."""
     # 3 ms of sleep per sample: a batch waits 24 ms and needs almost no CPU, so workers win by about their count
     # however busy the cores are (at 1 ms, a loaded machine's wake-up delays made nw=0 measure as fast).
     ds = Busy(sleep_s=0.003)
+    asked, run = [], measure.run
+
+    def spy(*args, windows=None, **kwargs):
+        asked.append(windows)
+        return run(*args, windows=windows, **kwargs)
+
+    monkeypatch.setattr(measure, "run", spy)
     result = fastfeed.tune(ds, batch_size=8, budget_s=60, max_workers=2)
+    assert asked and set(asked) <= {offline.TRIAL_WINDOWS, offline.DUEL_WINDOWS}, asked
+    assert asked.count(offline.TRIAL_WINDOWS) >= len([t for t in result.trials if t.windows])
     assert result.converged and result.input_bound and result.num_workers >= 1
     assert result.throughput > 0 and result.samples_per_s == pytest.approx(result.throughput * 8)
     table = str(result)

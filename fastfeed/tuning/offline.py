@@ -22,6 +22,11 @@ TIGHT = 0.1  # batches in flight above this share of the budget make memory a co
 # parent's memory (copy-on-read): its growth is projected over the dataset, not taken as it stood at the end.
 COPY_ON_READ_MIN = 4 << 20
 DUEL_WINDOWS = 2  # a duel's round is a short trial: the rounds, not its windows, answer its noise
+# An ordinary trial takes this many windows, however much they spread: settings that come within the noise of each
+# other are measured again in turn (the duels), which answers drift that more windows one after the other do not.
+# With CPU-bound samples on a 2-core VM, a trial's windows spread 20-40% (its speed drifts), so every trial took
+# the 6 windows a spread asks for (3.2 s, against 1.7), for a median no closer to the next trial's.
+TRIAL_WINDOWS = measure.MIN_WINDOWS
 
 log = logging.getLogger("fastfeed")
 
@@ -319,7 +324,7 @@ def tune(dataset, *, step=None, budget_s: float = 60, max_workers: int | None = 
 
     def trial_of(setting: Setting, first: bool) -> Trial:
         return measure.run(DataLoader, dataset, loader_kwargs, setting, step, tolerance=tolerance, deadline=deadline,
-                           first=first, windows=DUEL_WINDOWS if search.in_duel else None)  # fmt: skip
+                           first=first, windows=DUEL_WINDOWS if search.in_duel else TRIAL_WINDOWS)  # fmt: skip
 
     def learn(trial: Trial) -> None:
         budget.learn(trial)

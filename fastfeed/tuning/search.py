@@ -19,10 +19,11 @@ The phases:
    has an unmeasured gap to a clearly worse right neighbour (too many workers for the
    cores), the gap is bisected too: the peak may lie inside it. With CPU readings, counts whose
    workers could not reach the best even on a core each are not measured (``_out_of_reach``), and
-   for CPU-bound samples the range ends one above what the cores can run (``_model_top``).
+   for CPU-bound samples the range ends ``MODEL_SLACK`` above what the cores can run (``_model_top``).
 3. **``prefetch_factor``** at the knee, from ``PREFETCH``: 4 first; 8 only when 4 gained
    more than the tolerance; else 1, when memory is tight (a batch less per worker). Where the knee's slowest
-   batches last no longer than ``DEFAULT_PREFETCH`` typical ones (``_steady``), 4 is not tried: only 1, when tight.
+   batches last no longer than ``DEFAULT_PREFETCH`` typical ones and the workers wait rather than compute (``_steady``),
+   4 is not tried: only 1, when tight.
 4. **``worker_type``**, when several are allowed, at the chosen counts.
 5. **Remote workers** (``max_remote``, ``fastfeed.tune(remote=...)``): the local workers fixed at the
    choice so far, Ray actors added beside them (Pecan's order: the host's own cores first, the
@@ -36,8 +37,14 @@ The phases:
    b. for CPU-bound samples (``model()``), a choice with more workers than the cores can run
       (``max_useful_workers``) against that many (measured first when it was not): it is kept only if it wins
       clearly. Before (c), so that the bound on duels never starves it;
-   c. the choice against its measured cheaper neighbour (one worker fewer), when within the noise band below it
-      (``_band``).
+   c. the choice against the fewest workers measured within the noise band below it (``_band``; its prefetch, or
+      ``num_workers=0``): CPU-bound samples beside busy loops, where loading in the loop was the grid's best (1.2x
+      2 workers), read nw=0 below nw=2 in a trial whose windows spread 40%, and nw=1 was not within the noise;
+   d. the choice against the best of the settings with more workers (its prefetch) that read within the noise band
+      below it: a noisy trial may have hidden a real gain, which the choice by one trial each cannot see. CPU-bound
+      samples on 2 cores in `fastfeed bench tune`: nw=4 read 0.3% below nw=2 (one trial each), and the choice of 2
+      measured 0.85-0.91x of the grid's best head to head, where in other runs nw=4 beat 2 clearly in every round
+      of a duel.
 
 Throughout, **noise**: a trial during which other processes held more than ``NOISY_CORES`` cores above the
 quietest trial's is measured again (while noisy, up to ``MAX_REPEATS`` times), and the quietest believed
@@ -73,6 +80,12 @@ MAX_REPEATS = 2
 REPEAT_SHARE = 1 / 3
 MAX_DUELS = 2
 CPU_BOUND = 0.7  # the workers' CPU time over their time per batch from which samples count as CPU-bound
+# For CPU-bound samples the search goes this many workers past what the model says the cores can run: workers also
+# wait on the pipeline (a free slot, their next indices), which more workers fill. On a 2-core VM whose speed drifted,
+# 4 workers beat 2 in every round of interleaved duels (3-10%) for an hour, while a range cut at 3 left 4 unmeasured
+# and chose 2 (0.88x the grid's best head to head); on other days 2 were the best. A count past the model's must still
+# win its duel clearly.
+MODEL_SLACK = 2
 MIN_CORE_SHARE = 0.05  # the least share of a core a worker is taken to have had (cores all taken by others)
 MAX_BAND = 0.25  # the widest noise band: settings further apart than this are not dueled, whatever the spread
 # Others' cores, on average over the trials, from which the machine counts as shared: the kernel then splits the cores
@@ -364,9 +377,8 @@ class Search:
         return self._refine({**self._out_of_reach(bar, fits), **curve}, bar, self.lo - 1, self._setting)
 
     def _model_top(self) -> int:
-        """The top of the ``num_workers`` range to search: for CPU-bound samples (``model``), one more than the
-        cores can run, which shows the decline, unless that one measured the best (the model fell short: the whole
-        range then)."""
+        """The top of the ``num_workers`` range to search: for CPU-bound samples (``model``), ``MODEL_SLACK`` more
+        than the cores can run, unless the top measured the best (the model fell short: the whole range then)."""
         model = self.model()
         if not model or not model["cpu_bound"] or self.fixed_nw is not None:
             return self.hi
@@ -377,7 +389,7 @@ class Search:
             # samples, and a range cut at nw=3, whose one trial read low, left it unmeasured. The whole range is
             # searched; a count past the model's must still win its duel clearly.
             return self.hi
-        top = max(self.lo, model["max_useful_workers"] + 1)
+        top = max(self.lo, model["max_useful_workers"] + MODEL_SLACK)
         measured = self._curve()
         if top >= self.hi or (top in measured and max(measured.values(), key=lambda t: t.median) is measured[top]):
             return self.hi
@@ -453,15 +465,21 @@ class Search:
         return _NEXT_PHASE
 
     def _steady(self, trial: Trial) -> bool:
-        """Whether ``trial``'s slowest batches (``Trial.load_tail``) last no longer than ``DEFAULT_PREFETCH`` typical
-        ones: a worker runs ahead until it has ``prefetch_factor`` batches waiting, so while one batch is slow the
-        others go on working for that long, and a deeper prefetch would only hold more memory. Said in a note.
+        """Whether ``trial``'s workers wait rather than compute (not CPU-bound, ``_cpu_share``) and their slowest
+        batches (``Trial.load_tail``) last no longer than ``DEFAULT_PREFETCH`` typical ones: a worker runs ahead
+        until it has ``prefetch_factor`` batches waiting, so while one batch is slow the others go on working for that
+        long, and a deeper prefetch would only hold more memory. Said in a note.
 
-        In `fastfeed bench tune`, CPU-bound samples' slowest batches lasted 1.2-1.7 typical ones (sharing the cores)
-        and latency-bound ones' 1.0-1.1: prefetch 4 was a tie with 2 in every duel of two runs, at 2-4 s a duel; a
-        heavy tail (3% of samples 15 ms late) lasted 3-12.
+        In `fastfeed bench tune`, latency-bound samples' slowest batches lasted 1.0-1.1 typical ones, and prefetch 4
+        was a tie with 2 in every duel of two runs, at 2-4 s a duel; a heavy tail (3% of samples 15 ms late) lasted
+        3-12.
         """
         if trial.load_tail is None or trial.load_tail > DEFAULT_PREFETCH:
+            return False
+        if not trial.worker_cpu_s or not trial.load_s or self._cpu_share(trial) >= CPU_BOUND:
+            # CPU-bound workers share the cores with the loop: one whose slots are full sleeps until the loop frees
+            # one, and then waits for a core. With 3 ms batches a deeper prefetch gave 1.09-1.11x at every count
+            # (`fastfeed bench tune`'s (a) grid, when the machine ran fast), steady as the batches were.
             return False
         if not any(n.startswith(_STEADY) for n in self.notes):
             self.notes.append(f"{_STEADY} {trial.setting}'s slowest batches (the 95th percentile) took "
@@ -582,14 +600,21 @@ class Search:
             if self.trials[useful].windows and not self.trials[useful].skipped and not self._dueled(useful, chosen):
                 return Duel(useful, chosen, self.tolerance, f"{_MODEL}: {model['max_useful_workers']} workers use "
                             f"{_cores(self.cores)}")  # fmt: skip
-        if chosen.num_workers > self.lo:  # (c)
-            n = chosen.num_workers - 1
-            cheaper = Setting(chosen.worker_type, n, chosen.prefetch_factor, chosen.remote) if n else self._setting(0)
-            near = self.trials.get(cheaper)
-            if (near is not None and near.windows and not near.skipped and cheaper not in self._lost
-                    and not self._dueled(cheaper, chosen)):  # fmt: skip
-                if near.median >= (1 - self._band(near, self.trials[chosen])) * self.trials[chosen].median:
-                    return Duel(cheaper, chosen, self.tolerance, "one worker fewer, within the noise")
+        here = self.trials[chosen]
+        line = [t for t in measured if t.setting.num_workers < chosen.num_workers and t.setting.remote == chosen.remote
+                and t.setting.worker_type == chosen.worker_type  # fewer workers, the choice's prefetch, or none
+                and t.setting.prefetch_factor in (chosen.prefetch_factor, None) and t.setting not in self._lost
+                and not self._dueled(t.setting, chosen) and t.median >= (1 - self._band(t, here)) * here.median]
+        if line:  # (c)
+            cheaper = min(line, key=lambda t: t.setting.num_workers).setting
+            return Duel(cheaper, chosen, self.tolerance, "fewer workers, within the noise")
+        pf = chosen.prefetch_factor or self._setting(1).prefetch_factor
+        more = [t for t in measured if t.setting.num_workers > chosen.num_workers and t.setting.remote == chosen.remote
+                and t.setting.worker_type == chosen.worker_type and t.setting.prefetch_factor == pf
+                and not self._dueled(chosen, t.setting) and t.median >= (1 - self._band(t, here)) * here.median]
+        if more and self.fixed_nw is None:  # (d)
+            dearer = max(more, key=lambda t: t.median).setting
+            return Duel(chosen, dearer, self.tolerance, "more workers, within the noise")
         return None
 
     def _band(self, a: Trial, b: Trial) -> float:

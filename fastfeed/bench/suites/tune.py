@@ -9,10 +9,12 @@ and, only when named (--workloads tail), (e) tail: a heavy-tailed per-sample cos
 
 Two conditions: quiet, and busy, with two busy loops (processes spinning on this rank's CPUs) beside everything
 measured, as a neighbour's job is on a shared machine. In each condition the grid measures every setting of
-nw 0..max x pf {1, 2, 4, 8} once, with the tuner's own measurement (fastfeed.tuning.measure). Then fastfeed.tune()
-runs 10 times, quiet and busy in turn, and right after each run, in the same condition, its setting and that
-condition's grid best are measured head to head, interleaved (A B, B A, ...): a medians' comparison from minutes
-apart would count the machine's drift, and the max over many noisy medians' luck (the winner's curse), against it.
+nw 0..max x pf {1, 2, 4, 8} once, with fastfeed.tuning.measure's default (a fresh loader, warm-up, 3 windows of
+0.5 s, up to 6 while they spread; the tuner's own trials take 3, and it measures settings within the noise of each
+other again in turn instead). Then fastfeed.tune() runs 10 times, quiet and busy in turn, and right after each run,
+in the same condition, its setting and that condition's grid best are measured head to head, interleaved (A B,
+B A, ...): a medians' comparison from minutes apart would count the machine's drift, and the max over many noisy
+medians' luck (the winner's curse), against it.
 
 Per run: quality = the tuned setting's throughput / the grid best's (the means over the head-to-head rounds, which
 the A B B A order keeps free of a linear drift; exactly 1 when the tuner chose the grid's best); time ratio = the
@@ -209,13 +211,14 @@ def settings(max_workers: int) -> list[Setting]:
 
 def measure_one(dataset, base: dict, step, setting: Setting, tolerance: float = TOLERANCE,
                 window_s: float = measure.WINDOW_S) -> float:  # fmt: skip
-    """One setting's batches/s, as the tuner measures one (a fresh loader, warm-up, the windows' median)."""
+    """One setting's batches/s, with ``measure.run``'s default windows (a fresh loader, warm-up, the windows'
+    median)."""
     return measure.run(fastfeed.DataLoader, dataset, base, setting, step, tolerance=tolerance,
                        deadline=float("inf"), window_s=window_s).median  # fmt: skip
 
 
 def grid(dataset, base: dict, step, max_workers: int, window_s: float = measure.WINDOW_S) -> tuple[dict, float]:
-    """Every setting measured once, as the tuner measures one; returns ({setting: batches/s}, seconds)."""
+    """Every setting measured once (``measure_one``); returns ({setting: batches/s}, seconds)."""
     started = time.monotonic()
     figures = {s: measure_one(dataset, base, step, s, window_s=window_s) for s in settings(max_workers)}
     return figures, time.monotonic() - started
