@@ -184,7 +184,7 @@ def _windows(loader, trial: Trial, step, tolerance: float, deadline: float, wind
         waits, steps = waits + wait, steps + stepped
     trial.stall_fraction = waits / (waits + steps) if waits + steps > 0 else 0.0
     trial.load_s = load_seconds(loader.stats())
-    trial.load_tail = load_tail(getattr(loader, "_ff_stats", None))
+    trial.load_tail = load_tail(loader._ff_stats)  # fastfeed's loaders, DALI's too, keep their recorder there
     pids = _worker_pids(loader) or pids
     feed.cpu.settle(trial, workers=bool(pids) and not trial.setting.remote)
     if pids:
