@@ -53,7 +53,7 @@ def tune(pipeline, output_map, *, step=None, budget_s: float = 60, max_threads: 
                               prefetch_queue_depth=setting.prefetch_factor, **loader_kwargs)  # fmt: skip
 
         return measure.run_made(make, setting, step, tolerance=tolerance, deadline=deadline, first=first,
-                                windows=offline.DUEL_WINDOWS if search.in_duel else offline.TRIAL_WINDOWS)  # fmt: skip
+                                windows=offline.windows_for(search))  # fmt: skip
 
     converged = offline.drive(search, trial_of, on_trial)
     result = offline.finish(search, converged, started, budget_s, loader_kwargs.get("batch_size"))

@@ -28,6 +28,11 @@ DUEL_WINDOWS = 2  # a duel's round is a short trial: the rounds, not its windows
 # the 6 windows a spread asks for (3.2 s, against 1.7), for a median no closer to the next trial's.
 TRIAL_WINDOWS = measure.MIN_WINDOWS
 
+
+def windows_for(search: Search) -> int:
+    """The windows to measure ``search``'s last proposal with: a duel's round's, or an ordinary trial's."""
+    return DUEL_WINDOWS if search.in_duel else TRIAL_WINDOWS
+
 log = logging.getLogger("fastfeed")
 
 # The class tune() measures fresh instances of: fastfeed.DataLoader, handed over by fastfeed/__init__.py. The
@@ -324,7 +329,7 @@ def tune(dataset, *, step=None, budget_s: float = 60, max_workers: int | None = 
 
     def trial_of(setting: Setting, first: bool) -> Trial:
         return measure.run(DataLoader, dataset, loader_kwargs, setting, step, tolerance=tolerance, deadline=deadline,
-                           first=first, windows=DUEL_WINDOWS if search.in_duel else TRIAL_WINDOWS)  # fmt: skip
+                           first=first, windows=windows_for(search))  # fmt: skip
 
     def learn(trial: Trial) -> None:
         budget.learn(trial)

@@ -600,22 +600,24 @@ class Search:
             if self.trials[useful].windows and not self.trials[useful].skipped and not self._dueled(useful, chosen):
                 return Duel(useful, chosen, self.tolerance, f"{_MODEL}: {model['max_useful_workers']} workers use "
                             f"{_cores(self.cores)}")  # fmt: skip
-        here = self.trials[chosen]
-        line = [t for t in measured if t.setting.num_workers < chosen.num_workers and t.setting.remote == chosen.remote
-                and t.setting.worker_type == chosen.worker_type  # fewer workers, the choice's prefetch, or none
-                and t.setting.prefetch_factor in (chosen.prefetch_factor, None) and t.setting not in self._lost
-                and not self._dueled(t.setting, chosen) and t.median >= (1 - self._band(t, here)) * here.median]
-        if line:  # (c)
-            cheaper = min(line, key=lambda t: t.setting.num_workers).setting
+        fewer = [t for t in measured if t.setting.num_workers < chosen.num_workers and t.setting not in self._lost
+                 and self._near(t, chosen, (chosen.prefetch_factor, None))]  # its prefetch, or nw=0's none
+        if fewer:  # (c)
+            cheaper = min(fewer, key=lambda t: t.setting.num_workers).setting
             return Duel(cheaper, chosen, self.tolerance, "fewer workers, within the noise")
         pf = chosen.prefetch_factor or self._setting(1).prefetch_factor
-        more = [t for t in measured if t.setting.num_workers > chosen.num_workers and t.setting.remote == chosen.remote
-                and t.setting.worker_type == chosen.worker_type and t.setting.prefetch_factor == pf
-                and not self._dueled(chosen, t.setting) and t.median >= (1 - self._band(t, here)) * here.median]
-        if more and self.fixed_nw is None:  # (d)
+        more = [t for t in measured if t.setting.num_workers > chosen.num_workers and self._near(t, chosen, (pf,))]
+        if more:  # (d)
             dearer = max(more, key=lambda t: t.median).setting
             return Duel(chosen, dearer, self.tolerance, "more workers, within the noise")
         return None
+
+    def _near(self, t: Trial, chosen: Setting, prefetch: tuple) -> bool:
+        """Whether ``t`` is on ``chosen``'s line (its worker type and Ray actors, a prefetch in ``prefetch``), not
+        dueled against it yet, and read no further below it than the noise band (``_band``)."""
+        s, here = t.setting, self.trials[chosen]
+        return (s.remote == chosen.remote and s.worker_type == chosen.worker_type and s.prefetch_factor in prefetch
+                and not self._dueled(s, chosen) and t.median >= (1 - self._band(t, here)) * here.median)
 
     def _band(self, a: Trial, b: Trial) -> float:
         """How far apart two trials' medians may be and still be the same within the noise: the tolerance, or the
