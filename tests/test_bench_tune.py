@@ -3,7 +3,9 @@ head's quality, a workload's row), its busy loops' lifetime, and its rows in the
 
 from __future__ import annotations
 
+import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -46,6 +48,38 @@ def test_head_to_head_reverses_the_order_each_round_so_a_drift_cancels():
     assert tune.quality({"tuned": a_b_a_b[0], "best": a_b_a_b[1]}) > 0.91  # the order is what removes the bias
 
 
+def test_the_head_to_head_goes_on_in_pairs_of_rounds_while_the_quality_is_uncertain():
+    """Rounds whose ratios spread 10% go on past the first 4, two at a time, up to the most allowed; rounds that agree
+    stop at 4, as do rounds that show the tuned setting clearly better however they spread; the error is the spread
+    of the rounds' log ratios over the square root of their number."""
+    tuned, grid_best = S(2, 2), S(3, 8)
+
+    def measuring(spread, level=95.0):
+        calls = []
+
+        def measure(s):
+            calls.append(s)
+            swing = (1 + spread) if calls.count(tuned) % 2 else (1 - spread)  # rounds alternately high and low
+            return level * swing if s == tuned else 100.0
+        return measure, calls
+
+    steady, calls = measuring(0.001)
+    duel = tune.head_to_head(steady, tuned, grid_best, rounds=4, most=12)
+    assert len(calls) == 8 and tune.quality_se(duel) < tune.SE_GOAL
+    noisy, calls = measuring(0.1)
+    duel = tune.head_to_head(noisy, tuned, grid_best, rounds=4, most=12)
+    assert len(duel["tuned"]) == 12 and tune.quality_se(duel) > tune.SE_GOAL
+    assert calls[-4:] == [tuned, grid_best, grid_best, tuned]  # the last two rounds a pair, as the first
+    logs = [math.log(t / b) for t, b in zip(duel["tuned"], duel["best"])]
+    assert tune.quality_se(duel) == pytest.approx(statistics.stdev(logs) / math.sqrt(12))
+    noisy, calls = measuring(0.1)
+    assert len(tune.head_to_head(noisy, tuned, grid_best, rounds=4)["tuned"]) == 4  # no more than asked by default
+    better, calls = measuring(0.1, level=80.0)
+    duel = tune.head_to_head(better, grid_best, tuned, rounds=4, most=12)  # the tuned one 1.25x: clear of 1 at 4
+    assert len(duel["tuned"]) == 4 and tune.quality_se(duel) > tune.SE_GOAL
+    assert tune.quality_se({"tuned": [], "best": []}) == 0.0 and tune.quality_se({"tuned": [1.0], "best": [1.0]}) > 9
+
+
 def test_the_grid_best_chosen_is_quality_one_without_a_measurement():
     calls = []
     duel = tune.head_to_head(calls.append, S(2), S(2), rounds=4)
@@ -83,6 +117,8 @@ def test_rows_reach_the_table_the_csv_and_the_plot():
     table = tune.markdown([row])
     assert "| (a) cpu | quiet: nw=2 pf=4 process (nw=2); busy: nw=2 pf=2 process (nw=1) |" in table
     assert "| **0.93x** | 0.97x | 1.00x / 0.93x | 0.30x | +2 | 1.80 (2) | 1 |" in table
+    runs[1]["quality_se"] = 0.031
+    assert "| **0.93x** (±0.03) | 0.97x |" in tune.markdown([tune.summarize("(a) cpu", runs, GRIDS, None)])
     rep = {"workloads": {"tune": {"kind": "tune", "result": {"rows": [row]}}}}
     figs = {r["figure"]: r for r in report.figure_rows(rep)}
     assert (figs["throughput"]["min"], figs["throughput"]["max"]) == (0.93, 1.0)

@@ -31,7 +31,8 @@ The phases:
    was, the choice so far standing for 0 actors: the smallest count within ``tolerance`` of the
    best, and the gap to a clearly worse right neighbour (the loop receiving no faster) bisected too.
 6. **Duels** (``fastfeed.tuning.duel``), at most ``MAX_DUELS``: two settings measured in turn (short trials) until
-   one is clearly better, instead of believing medians measured a minute apart. In order:
+   one is clearly better, instead of believing medians measured a minute apart; decided on the mean of the rounds
+   (``by_mean``: the dearer better in every round, and by a mean ratio past the tolerance). In order:
    a. the best measured setting against the choice (the cheapest within tolerance of it, by one trial each):
       when the best wins clearly, the cheapest within tolerance of it on its line (fewer workers) is the choice;
    b. for CPU-bound samples (``model()``), a choice with more workers than the cores can run
@@ -588,7 +589,8 @@ class Search:
         best = max(measured, key=lambda t: t.median)
         if best.setting != chosen and not self.duels:  # (a): the first duel, or none
             # Within tolerance of the best by one trial each (the bar), so within the noise of each other.
-            return Duel(chosen, best.setting, self.tolerance, f"{_BEST} vs the cheapest within {self.tolerance:.0%}")
+            return Duel(chosen, best.setting, self.tolerance, f"{_BEST} vs the cheapest within {self.tolerance:.0%}",
+                        by_mean=True)
         model = self.model()
         if (model and model["cpu_bound"] and self.fixed_nw is None and not chosen.remote
                 and chosen.num_workers > model["max_useful_workers"]):  # fmt: skip
@@ -599,17 +601,17 @@ class Search:
                     return proposal
             if self.trials[useful].windows and not self.trials[useful].skipped and not self._dueled(useful, chosen):
                 return Duel(useful, chosen, self.tolerance, f"{_MODEL}: {model['max_useful_workers']} workers use "
-                            f"{_cores(self.cores)}")  # fmt: skip
+                            f"{_cores(self.cores)}", by_mean=True)  # fmt: skip
         fewer = [t for t in measured if t.setting.num_workers < chosen.num_workers and t.setting not in self._lost
                  and self._near(t, chosen, (chosen.prefetch_factor, None))]  # its prefetch, or nw=0's none
         if fewer:  # (c)
             cheaper = min(fewer, key=lambda t: t.setting.num_workers).setting
-            return Duel(cheaper, chosen, self.tolerance, "fewer workers, within the noise")
+            return Duel(cheaper, chosen, self.tolerance, "fewer workers, within the noise", by_mean=True)
         pf = chosen.prefetch_factor or self._setting(1).prefetch_factor
         more = [t for t in measured if t.setting.num_workers > chosen.num_workers and self._near(t, chosen, (pf,))]
         if more:  # (d)
             dearer = max(more, key=lambda t: t.median).setting
-            return Duel(chosen, dearer, self.tolerance, "more workers, within the noise")
+            return Duel(chosen, dearer, self.tolerance, "more workers, within the noise", by_mean=True)
         return None
 
     def _near(self, t: Trial, chosen: Setting, prefetch: tuple) -> bool:

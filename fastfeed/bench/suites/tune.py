@@ -17,7 +17,12 @@ B A, ...): a medians' comparison from minutes apart would count the machine's dr
 medians' luck (the winner's curse), against it.
 
 Per run: quality = the tuned setting's throughput / the grid best's (the means over the head-to-head rounds, which
-the A B B A order keeps free of a linear drift; exactly 1 when the tuner chose the grid's best); time ratio = the
+the A B B A order keeps free of a linear drift; exactly 1 when the tuner chose the grid's best), with its standard
+error (the spread of the rounds' ratios over the square root of their number): the rounds go on, two at a time,
+while that error is over ``SE_GOAL``, up to ``MAX_ROUNDS``, unless the tuned setting is better than the grid's best
+by twice the error. CPU-bound samples on a shared 2-core VM spread a round's
+ratio by 6-22% (4 rounds: an error of 3-11%, as wide as the 5% a target tells apart); the other workloads by 0.3-2%,
+which 4 rounds settle. Time ratio = the
 tuning's wall time / the grid's, in the same condition; the chosen nw less the grid's knee (the fewest workers
 within tolerance of the grid's best). Per workload: quality's minimum (the run a user would have got at worst) and
 median, the worst time ratio and nw - knee, the same split quiet / busy, the noise the tuner saw (the cores other
@@ -37,6 +42,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import signal
 import statistics
@@ -56,7 +62,9 @@ from fastfeed.tuning.result import Setting
 TOLERANCE = 0.03  # the tuner's default, and the knee's
 PREFETCH = (1, 2, 4, 8)
 RUNS = 10  # tuner runs per workload, quiet and busy in turn
-ROUNDS = 4  # head-to-head rounds after each run: A B, B A, A B, B A
+ROUNDS = 4  # head-to-head rounds after each run at least: A B, B A, A B, B A
+MAX_ROUNDS = 12  # ... and at most, while the quality's standard error is over SE_GOAL
+SE_GOAL = 0.02
 BUSY_LOOPS = 2
 CPU_SAMPLE_S = 0.0006  # the CPU-bound workload's pure Python per sample
 # Head-to-head trials take MIN_WINDOWS windows each, never more: their rounds, not extra windows, average the noise
@@ -234,17 +242,41 @@ def knee(figures: dict, tolerance: float = TOLERANCE) -> int:
     return min(s.num_workers for s, v in figures.items() if v >= (1 - tolerance) * top)
 
 
-def head_to_head(measure_setting, tuned: Setting, grid_best: Setting, rounds: int) -> dict:
-    """``tuned`` and ``grid_best`` measured in turn, the order reversed each round (A B, B A, ...): returns
-    ``{"tuned": [batches/s per round], "best": [...]}``, both empty when they are the same setting."""
+def head_to_head(measure_setting, tuned: Setting, grid_best: Setting, rounds: int, most: int | None = None,
+                 se_goal: float = SE_GOAL) -> dict:  # fmt: skip
+    """``tuned`` and ``grid_best`` measured in turn, the order reversed each round (A B, B A, ...), ``rounds`` rounds
+    and then two more at a time while the quality's standard error (``quality_se``) is over ``se_goal`` and the tuned
+    setting is not clearly better (``_uncertain``), up to ``most`` (default: ``rounds``): returns ``{"tuned": [batches/s per round], "best": [...]}``, both empty when they
+    are the same setting."""
     figures: dict = {"tuned": [], "best": []}
     if tuned == grid_best:
         return figures
     pair = [("tuned", tuned), ("best", grid_best)]
-    for r in range(rounds):
+    most = max(rounds, most or rounds)
+    r = 0
+    while r < rounds or (r < most and (r % 2 == 1 or _uncertain(figures, se_goal))):  # pairs: A B, B A
         for key, setting in pair if r % 2 == 0 else pair[::-1]:
             figures[key].append(measure_setting(setting))
+        r += 1
     return figures
+
+
+def _uncertain(duel: dict, se_goal: float) -> bool:
+    """Whether a head to head needs more rounds: its quality's error is over ``se_goal``, and the tuned setting is
+    not clearly (by twice that error) better than the grid's best, which more rounds could not change."""
+    se = quality_se(duel)
+    return se > se_goal and math.log(quality(duel)) < 2 * se
+
+
+def quality_se(duel: dict) -> float:
+    """The standard error of a head to head's quality: the standard deviation of its rounds' log ratios (tuned /
+    best) over the square root of their number; 0 for the grid best chosen, infinite below 2 rounds."""
+    if not duel["tuned"]:
+        return 0.0
+    logs = [math.log(t / b) if t > 0 and b > 0 else math.inf for t, b in zip(duel["tuned"], duel["best"])]
+    if len(logs) < 2 or not all(map(math.isfinite, logs)):
+        return math.inf
+    return statistics.stdev(logs) / math.sqrt(len(logs))
 
 
 def quality(duel: dict) -> float:
@@ -265,16 +297,21 @@ def tuner_run(dataset, base: dict, step, max_workers: int, cond: str, grid_row: 
         result = fastfeed.tune(dataset, step=step, max_workers=max_workers, tolerance=TOLERANCE, **base)
         tune_s = time.monotonic() - t0
         duel = head_to_head(lambda s: measure_one(dataset, base, step, s, DUEL_TOLERANCE, window_s), result.setting,
-                            grid_best, rounds)  # fmt: skip
+                            grid_best, rounds, max(rounds, MAX_ROUNDS) if rounds > 1 else 1)  # fmt: skip
     return dict(
         condition=cond, chosen=str(result.setting), nw=result.num_workers, knee=grid_row["knee"],
-        quality=quality(duel), tune_s=tune_s, time_ratio=tune_s / grid_row["seconds"],
+        quality=quality(duel), quality_se=_finite(quality_se(duel)), tune_s=tune_s,
+        time_ratio=tune_s / grid_row["seconds"],
         head_to_head={k: [round(v, 1) for v in vs] for k, vs in duel.items()}, trials=len(result.trials),
         input_bound=result.input_bound, converged=result.converged,
         # What the tuner saw of the noise, and the duels it ran, where its result carries them
         noise=getattr(result, "noise", None), duels=len(getattr(result, "duels", None) or []),
         notes=list(getattr(result, "notes", None) or []),
     )  # fmt: skip
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 def _stats(values: list) -> dict:
@@ -304,6 +341,8 @@ def summarize(label: str, runs: list[dict], grids: dict, step) -> dict:
         # The figures benchmarks/targets.py checks, under the names it reads: the worst run's quality, time ratio
         # and nw against its knee, and how far apart the runs' qualities are.
         throughput_ratio=min(qualities), time_ratio=max(r["time_ratio"] for r in runs), chosen_nw=worst["nw"],
+        # the standard error of the worst run's quality (None where the run predates it, or had one round)
+        quality_min_se=min(runs, key=lambda r: r["quality"]).get("quality_se"),
         grid_knee=worst["knee"], agreement=(max(qualities) - min(qualities)) / max(qualities),
         chosen=[r["chosen"] for r in runs], tune_s=[round(r["tune_s"], 2) for r in runs],
         input_bound=[r["input_bound"] for r in runs], converged=[r["converged"] for r in runs],
@@ -333,8 +372,9 @@ def run_workload(letter: str, max_workers: int, runs: int, rounds: int, window_s
     for i, cond in enumerate(conds):
         out.append(tuner_run(dataset, base, step, max_workers, cond, grids[cond], rounds, window_s))
         r = out[-1]
+        se = f" ±{r['quality_se']:.3f} ({len(r['head_to_head'].get('tuned', []))} rounds)" if r["quality_se"] else ""
         print(f"#   ({letter}) {name} run {i + 1}/{runs} {cond}: {r['chosen']} in {r['tune_s']:.1f} s "
-              f"({r['time_ratio']:.2f}x the grid), quality {r['quality']:.3f}, nw {r['nw']} vs knee {r['knee']}, "
+              f"({r['time_ratio']:.2f}x the grid), quality {r['quality']:.3f}{se}, nw {r['nw']} vs knee {r['knee']}, "
               f"noise {_noise(r['noise'])}, duels {r['duels']}", flush=True)  # fmt: skip
     return summarize(f"({letter}) {name}", out, grids, step)
 
@@ -356,9 +396,15 @@ def estimate_s(workloads: int, max_workers: int, runs: int, rounds: int, window_
 def line(r: dict) -> str:
     q, split = r["quality"], "  ".join(f"{c}: min {s['quality']['min']:.3f} over {s['runs']}"
                                        for c, s in r["by_condition"].items())  # fmt: skip
-    return (f"{r['workload']:<14} quality min {q['min']:.3f} median {q['median']:.3f} ({split})\n"
+    return (f"{r['workload']:<14} quality min {q['min']:.3f}{_se(r)} median {q['median']:.3f} ({split})\n"
             f"{'':14} time {r['time']['max']:.2f}x of the grid at most  nw - knee {r['nw_over_knee_max']:+d} at "
             f"worst  noise {_cores(r['noise_max_cores'])} at most  duels {r['duels']}  tuned {_chosen(r)}")  # fmt: skip
+
+
+def _se(r: dict) -> str:
+    """The worst run's quality's standard error, where its head to head had one."""
+    se = r.get("quality_min_se")
+    return "" if not se else f" (±{se:.2f})" if se >= 0.01 else f" (±{se:.3f})"
 
 
 def _cores(value: float | None) -> str:
@@ -374,7 +420,7 @@ def markdown(rows: list[dict]) -> str:
     their time."""
     if rows and not all("runs" in r for r in rows):
         return _reruns_markdown(rows)
-    out = ["| workload | grid best (knee) | tuned (runs) | quality min | quality median | min quiet / busy | "
+    out = ["| workload | grid best (knee) | tuned (runs) | quality min (± s.e.) | quality median | min quiet / busy | "
            "tune time / grid, max | nw - knee, max | noise, max cores (repeated) | duels |",
            "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
@@ -382,7 +428,7 @@ def markdown(rows: list[dict]) -> str:
         split = " / ".join(f"{r['by_condition'][c]['quality']['min']:.2f}x" if c in r["by_condition"] else "-"
                            for c in ("quiet", "busy"))  # fmt: skip
         noise = "-" if r["noise_max_cores"] is None else f"{r['noise_max_cores']:.2f} ({r['noise_repeated']})"
-        out.append(f"| {r['workload']} | {grids} | {_chosen(r)} | **{r['quality']['min']:.2f}x** | "
+        out.append(f"| {r['workload']} | {grids} | {_chosen(r)} | **{r['quality']['min']:.2f}x**{_se(r)} | "
                    f"{r['quality']['median']:.2f}x | {split} | {r['time']['max']:.2f}x | {r['nw_over_knee_max']:+d} | "
                    f"{noise} | {r['duels']} |")  # fmt: skip
     return "\n".join(out)
@@ -416,7 +462,8 @@ def main(argv=None) -> dict:
                    help=f"of {', '.join(NAMES)} (or their letters); default: "
                         f"{', '.join(WORKLOADS[w][0] for w in DEFAULT)}")  # fmt: skip
     p.add_argument("--runs", type=int, help=f"tuner runs per workload, quiet and busy in turn (default {RUNS})")
-    p.add_argument("--rounds", type=int, help=f"head-to-head rounds after each run (default {ROUNDS})")
+    p.add_argument("--rounds", type=int, help=f"head-to-head rounds after each run at least (default {ROUNDS}; two "
+                   f"more at a time while the quality's standard error is over {SE_GOAL}, up to {MAX_ROUNDS})")
     p.add_argument("--max-workers", type=int, help="default: twice this rank's CPUs, as fastfeed.tune")
     p.add_argument("--out", type=Path, default=Path("bench-results"))
     p.add_argument("--report", type=Path, help="also write the result as a fastfeed bench report here "
