@@ -68,6 +68,48 @@ def test_a_hung_loader_dumps_every_worker_stack():
     assert cli.main(["cleanup"]) == 0  # the ring of a SIGKILLed process: what any later fastfeed process reclaims
 
 
+# A stand-in worker: it takes SIGUSR1 with a handler that prints when it ran, after holding the signal blocked for
+# argv[1] seconds (a worker descheduled on a busy machine, or in a long C call).
+_HOLDER = """
+import signal, sys, time
+got = []
+signal.signal(signal.SIGUSR1, lambda *a: got.append(time.monotonic()))
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
+print("ready", flush=True)
+time.sleep(float(sys.argv[1]))
+signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGUSR1])
+end = time.monotonic() + 10
+while not got and time.monotonic() < end:
+    time.sleep(0.005)
+print(got[0] if got else -1, flush=True)
+"""
+
+
+@pytest.mark.hang_limit(30)
+def test_the_hang_dump_signals_a_worker_once_the_one_before_has_taken_its_signal(capsys):
+    """Workers signalled at once write their stacks over each other on the stderr they share (faulthandler writes a
+    few bytes at a time: "in   File __getitem__"): the first worker here holds the signal blocked for 0.5 s, and the
+    second is signalled only after the first took it."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    procs = [subprocess.Popen([sys.executable, "-c", _HOLDER, hold], stdout=subprocess.PIPE, text=True)
+             for hold in ("0.5", "0")]  # fmt: skip
+    try:
+        assert [p.stdout.readline().strip() for p in procs] == ["ready", "ready"]
+        fake = SimpleNamespace(pids=[p.pid for p in procs], workers=[SimpleNamespace(process=p) for p in procs])
+        pool.Pool.dump_stacks(fake, 3.0)
+        first, second = (float(p.stdout.readline()) for p in procs)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+            p.stdout.close()
+    assert 0 < first <= second, (first, second)
+    assert "the stacks of the DataLoader workers follow" in capsys.readouterr().err
+
+
 @pytest.mark.hang_limit(40)
 @pytest.mark.parametrize(("worker_type", "processes"), [("process", 2), ("thread", 0)])
 def test_ctrl_c_ends_workers_stuck_in_user_code_within_2_s(worker_type, processes):

@@ -242,7 +242,8 @@ class Pool:
             try:
                 os.kill(w.process.pid, DUMP_SIGNAL)
             except ProcessLookupError:
-                pass
+                continue
+            _dumped(w.process.pid)
 
     def retire(self, wid: int) -> None:
         """Stop a worker that has nothing more to do (its IterableDataset ended)."""
@@ -345,3 +346,23 @@ def _end(procs, grace: float) -> bool:
             p.close()
     return gone
 
+
+DUMP_SETTLE_S = 0.1  # after a worker took the dump signal: its handler's writes, before the next worker is signalled
+
+
+def _dumped(pid: int, most_s: float = 1.0) -> None:
+    """Wait until worker ``pid`` has taken the dump signal (none pending in ``/proc/<pid>/status``), then
+    ``DUMP_SETTLE_S`` for its handler to write, at most ``most_s`` in all. faulthandler writes a stack a few bytes at a
+    time to the stderr all workers share: two workers signalled at once interleaved theirs mid-line ("in   File
+    __getitem__"), on a busy 2-core machine, so that neither stack read whole."""
+    deadline = time.monotonic() + most_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                pending = next((line.split()[1] for line in f if line.startswith("ShdPnd:")), "0")
+        except OSError:  # gone, or no /proc
+            return
+        if int(pending, 16) == 0:
+            break
+        time.sleep(0.005)
+    time.sleep(max(0.0, min(DUMP_SETTLE_S, deadline - time.monotonic())))
