@@ -20,10 +20,9 @@ Per run: quality = the tuned setting's throughput / the grid best's (the means o
 the A B B A order keeps free of a linear drift; exactly 1 when the tuner chose the grid's best), with its standard
 error (the spread of the rounds' ratios over the square root of their number): the rounds go on, two at a time,
 while that error is over ``SE_GOAL``, up to ``MAX_ROUNDS``, unless the tuned setting is better than the grid's best
-by twice the error. CPU-bound samples on a shared 2-core VM spread a round's
-ratio by 6-22% (4 rounds: an error of 3-11%, as wide as the 5% a target tells apart); the other workloads by 0.3-2%,
-which 4 rounds settle. Time ratio = the
-tuning's wall time / the grid's, in the same condition; the chosen nw less the grid's knee (the fewest workers
+by twice the error. CPU-bound samples on a shared 2-core VM spread a round's ratio by 6-22% (4 rounds: an error of
+3-11%, as wide as the 5% a target tells apart); the other workloads by 0.3-2%, which 4 rounds settle. Time ratio =
+the tuning's wall time / the grid's, in the same condition; the chosen nw less the grid's knee (the fewest workers
 within tolerance of the grid's best). Per workload: quality's minimum (the run a user would have got at worst) and
 median, the worst time ratio and nw - knee, the same split quiet / busy, the noise the tuner saw (the cores other
 processes held during its trials) and the duels it ran.
@@ -246,8 +245,8 @@ def head_to_head(measure_setting, tuned: Setting, grid_best: Setting, rounds: in
                  se_goal: float = SE_GOAL) -> dict:  # fmt: skip
     """``tuned`` and ``grid_best`` measured in turn, the order reversed each round (A B, B A, ...), ``rounds`` rounds
     and then two more at a time while the quality's standard error (``quality_se``) is over ``se_goal`` and the tuned
-    setting is not clearly better (``_uncertain``), up to ``most`` (default: ``rounds``): returns ``{"tuned": [batches/s per round], "best": [...]}``, both empty when they
-    are the same setting."""
+    setting is not clearly better (``_uncertain``), up to ``most`` (default: ``rounds``). Returns ``{"tuned":
+    [batches/s per round], "best": [...]}``, both empty when they are the same setting."""
     figures: dict = {"tuned": [], "best": []}
     if tuned == grid_best:
         return figures
