@@ -108,9 +108,9 @@ class Duel:
         n = len(ratios)
         # "as good": rounds enough, and the dearer never better by more than the tolerance; else a tie
         cheap = "cheap" if n >= MIN_ROUNDS and max(ratios) <= bar else "tie"
-        if n and min(ratios) <= 1:  # the dearer no better in a round: the mean can no longer be read as a gain
-            self.outcome = cheap
-        elif cheap == "cheap":  # better every time, but never by the tolerance: a gain too small to pay for
+        # The dearer no better in a round (the mean can no longer be read as a gain), or better every time but never
+        # by the tolerance (a gain too small to pay for)
+        if (n and min(ratios) <= 1) or cheap == "cheap":
             self.outcome = cheap
         elif n >= MIN_ROUNDS and statistics.fmean(map(math.log, ratios)) > MEAN_BARS[n] * math.log(bar):
             self.outcome = "dear"

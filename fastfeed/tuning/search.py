@@ -589,8 +589,7 @@ class Search:
         best = max(measured, key=lambda t: t.median)
         if best.setting != chosen and not self.duels:  # (a): the first duel, or none
             # Within tolerance of the best by one trial each (the bar), so within the noise of each other.
-            return Duel(chosen, best.setting, self.tolerance, f"{_BEST} vs the cheapest within {self.tolerance:.0%}",
-                        by_mean=True)
+            return self._duel_of(chosen, best.setting, f"{_BEST} vs the cheapest within {self.tolerance:.0%}")
         model = self.model()
         if (model and model["cpu_bound"] and self.fixed_nw is None and not chosen.remote
                 and chosen.num_workers > model["max_useful_workers"]):  # fmt: skip
@@ -600,19 +599,23 @@ class Search:
                 if proposal is not None:
                     return proposal
             if self.trials[useful].windows and not self.trials[useful].skipped and not self._dueled(useful, chosen):
-                return Duel(useful, chosen, self.tolerance, f"{_MODEL}: {model['max_useful_workers']} workers use "
-                            f"{_cores(self.cores)}", by_mean=True)  # fmt: skip
+                return self._duel_of(useful, chosen, f"{_MODEL}: {model['max_useful_workers']} workers use "
+                                     f"{_cores(self.cores)}")  # fmt: skip
         fewer = [t for t in measured if t.setting.num_workers < chosen.num_workers and t.setting not in self._lost
                  and self._near(t, chosen, (chosen.prefetch_factor, None))]  # its prefetch, or nw=0's none
         if fewer:  # (c)
             cheaper = min(fewer, key=lambda t: t.setting.num_workers).setting
-            return Duel(cheaper, chosen, self.tolerance, "fewer workers, within the noise", by_mean=True)
+            return self._duel_of(cheaper, chosen, "fewer workers, within the noise")
         pf = chosen.prefetch_factor or self._setting(1).prefetch_factor
         more = [t for t in measured if t.setting.num_workers > chosen.num_workers and self._near(t, chosen, (pf,))]
         if more:  # (d)
             dearer = max(more, key=lambda t: t.median).setting
-            return Duel(chosen, dearer, self.tolerance, "more workers, within the noise", by_mean=True)
+            return self._duel_of(chosen, dearer, "more workers, within the noise")
         return None
+
+    def _duel_of(self, cheap: Setting, dear: Setting, reason: str) -> Duel:
+        """A duel of the search's: at its tolerance, decided on the rounds' mean (``Duel(by_mean=True)``)."""
+        return Duel(cheap, dear, self.tolerance, reason, by_mean=True)
 
     def _near(self, t: Trial, chosen: Setting, prefetch: tuple) -> bool:
         """Whether ``t`` is on ``chosen``'s line (its worker type and Ray actors, a prefetch in ``prefetch``), not
