@@ -170,22 +170,36 @@ def main_cpu_s() -> float:
 def tree_cpu_s() -> float:
     """CPU seconds (user + system) so far of this process and its live descendants, with their reaped children.
 
-    From ``/proc/<pid>/stat``, in clock ticks (10 ms): coarse, but worker processes are not
-    reaped until their loader ends, so ``getrusage(RUSAGE_CHILDREN)`` cannot see them mid-trial.
-    Each process's reaped children count too (``cutime``, ``cstime``): a worker that exits and is
-    joined between two readings (epoch mode, ``persistent_workers=False``) moves its CPU from its
-    own entry to its parent's, so the difference of two readings keeps it.
+    A live process's own time is its CPU-time clock (``clock_gettime`` on the process's clock id, every thread,
+    ended ones too), in nanoseconds: ``/proc/<pid>/stat`` gives it in clock ticks (10 ms), which a short trial's
+    difference of two readings can round to 0 (a 2-batch trial whose batches were prefetched before it).
+    ``getrusage(RUSAGE_CHILDREN)`` cannot help, as worker processes are not reaped until their loader ends.
+    Each process's reaped children count too (``cutime``, ``cstime``, in ticks: the kernel keeps no finer
+    figure for them): a worker that exits and is joined between two readings (epoch mode,
+    ``persistent_workers=False``) moves its CPU from its own entry to its parent's, so the difference of two
+    readings keeps it, to a tick.
     """
     tick = os.sysconf("SC_CLK_TCK")
-    total = 0
+    total = 0.0
     for pid in process_tree():
         try:
             with open(f"/proc/{pid}/stat", "rb") as f:
                 fields = f.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
+            ticks = [int(v) for v in fields[11:15]]  # utime, stime, cutime, cstime: fields 14-17
+        except (OSError, IndexError, ValueError):
             continue  # exited while we read
-        total += sum(int(v) for v in fields[11:15])  # utime, stime, cutime, cstime: fields 14-17
-    return total / tick
+        total += (ticks[2] + ticks[3]) / tick
+        try:
+            total += time.clock_gettime(_cpu_clock(pid))
+        except OSError:
+            total += (ticks[0] + ticks[1]) / tick  # exited since its stat was read: that reading, to a tick
+    return total
+
+
+def _cpu_clock(pid: int) -> int:
+    """The clock id of process ``pid``'s CPU time, as glibc's ``clock_getcpuclockid`` makes it (Python has no
+    binding): ``(~pid << 3) | CPUCLOCK_SCHED``, the whole process (not one thread), in nanoseconds."""
+    return (~pid << 3) | 2
 
 
 def release_freed_memory() -> None:
