@@ -185,12 +185,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         if resume is not None and resume.get("shards") is not None:
             resume = None  # the dataset took its position (load_state_dict): this epoch starts there, unreplayed
         if self._ff_tuner is not None:
-            if resume is not None and _restores(resume):
-                raise RuntimeError(
-                    "load_state_dict() on a num_workers='auto' loader whose tuning has not settled: build it with "
-                    "the tuned values (loader.tune_result.loader_kwargs() of the run that saved the state)"
-                )
-            return TuningIter(self, self._ff_tuner)
+            # A loaded state's epoch goes on tuning from its position (TuningIter refuses one it cannot follow)
+            return TuningIter(self, self._ff_tuner, resume if resume is not None and _restores(resume) else None)
         if self.reader == "gds":  # read into device memory by a reader thread, under torch's single-process machinery
             if self._ff_gds_threads is None:
                 from .tuning.offline import rank_cpus
@@ -264,8 +260,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         it = self._get_iterator() if tuner is not None else super().__iter__()
         self._ff_epochs += 1
         self._ff_last = weakref.ref(it)
-        if tuner is None:  # (a TuningIter refers to this loader, and its state is no position anyway)
-            self._ff_kept = [it]
+        self._ff_kept = [it]
         if it._stats is not None and it._stats is self._ff_stats:  # persistent workers: a new epoch
             paths = it._stats.paths  # the workers are the same, and a Ray pool keeps filling this one
             it._stats = stats.recorder(it._num_workers, self.prefetch_factor if it._num_workers else None)

@@ -263,12 +263,99 @@ def test_auto_prefetch_only_keeps_num_workers():
     assert loader.num_workers == 1 and {t.setting.num_workers for t in loader.tune_result.trials} == {1}
 
 
-def test_auto_state_dict_during_tuning_epoch_is_a_clear_error():
-    """state_dict() while the tuning epoch runs names the problem and the way out."""
-    loader = fastfeed.DataLoader(Busy(n=400), batch_size=4, num_workers="auto")
+def _torch_epochs(ds, seed: int, epochs: int = 2) -> list:
+    """torch's own epochs of ``ds`` (batch 4, shuffled) from ``torch.manual_seed(seed)``: the first columns."""
+    torch.manual_seed(seed)
+    fixed = torch.utils.data.DataLoader(ds, batch_size=4, shuffle=True, num_workers=0)
+    return [_first_column(fixed) for _ in range(epochs)]
+
+
+def _taken(loader, k: int, after_trials: int = 0) -> list:
+    """The first ``k`` batches' first columns (or, with ``after_trials``, ``k`` more once the tuner has had that many
+    trials), then a ``break``, as a training loop that stops to save leaves it."""
+    seen, more = [], None
+    for batch in loader:
+        seen.append(batch[:, 0].clone())
+        if more is None and len(loader._ff_tuner.search.order if after_trials else ()) >= after_trials:
+            more = len(seen) + k
+        if len(seen) == more:
+            break
+    return seen
+
+
+@pytest.mark.parametrize("resumed_with", ["fixed", "auto"])
+def test_a_state_saved_in_the_tuning_epoch_resumes_it_exactly(resumed_with, cache_dir):
+    """A run that checkpoints during num_workers="auto"'s first epoch (one long epoch is a whole LLM run) and is
+    resumed from it goes on with the epoch's next batch and then the next epoch, as torch's uninterrupted epochs:
+    resumed with the tuned values (a fixed loader), or with "auto" again where the tuning had not settled, which
+    then tunes on the rest of the epoch. Saved after a ``break``, JSON and back, 3 batches into the second
+    setting's trial, so the state spans two settings' iterators."""
+    ds = Busy(n=4000)
+    want = _torch_epochs(ds, 11)
+    torch.manual_seed(11)
+    saving = fastfeed.DataLoader(ds, batch_size=4, shuffle=True, num_workers="auto")
+    seen = _taken(saving, 3, after_trials=1)
+    assert saving._ff_tuner.result is None  # tuning, not settled
+    state = json.loads(json.dumps(saving.state_dict()))
+    assert state["mid_epoch"] and state["yielded"] == len(seen) and state["workers"] is None
+    del saving
+    if resumed_with == "fixed":
+        loader = fastfeed.DataLoader(ds, batch_size=4, shuffle=True, num_workers=2)
+    else:
+        assert not (cache_dir / "tune.json").exists()  # not settled, so nothing cached: "auto" tunes again
+        loader = fastfeed.DataLoader(ds, batch_size=4, shuffle=True, num_workers="auto")
+    torch.manual_seed(999)  # the state's RNGs, not these, are what the resumed run draws from
+    loader.load_state_dict(state)
+    rest = _first_column(loader)
+    assert torch.equal(torch.cat([*seen, rest]), want[0])
+    if resumed_with == "auto":
+        assert loader.tune_result is not None and loader.tune_result.trials  # tuned on the epoch's rest
+    assert torch.equal(_first_column(loader), want[1])
+
+
+def test_a_state_saved_mid_tuning_epoch_continues_the_same_loader_and_a_tuning_loader_after_a_settled_one(
+        cache_dir):  # fmt: skip
+    """The loader that saved goes on as if nothing happened; a state saved in the next run's first epoch, while
+    the cached setting is being re-checked, resumes into an "auto" loader whose cache hits (its recheck dropped:
+    the cached setting serves the rest of the epoch)."""
+    ds = Busy(n=4000)
+    want = _torch_epochs(ds, 5)
+    torch.manual_seed(5)
+    loader = fastfeed.DataLoader(ds, batch_size=4, shuffle=True, num_workers="auto")
+    it = iter(loader)
+    seen = [next(it)[:, 0].clone() for _ in range(30)]
+    loader.state_dict()  # in the middle of a trial: it must not disturb the trial or the order
+    seen += [b[:, 0].clone() for b in it]
+    assert torch.equal(torch.cat(seen), want[0]) and loader.tune_result is not None
+    torch.manual_seed(5)
+    settled = fastfeed.DataLoader(ds, batch_size=4, shuffle=True, num_workers="auto")  # a cache hit: a recheck
+    head = _taken(settled, 3, after_trials=1)  # in the recheck's second trial
+    assert settled._ff_tuner.result is None
+    state = settled.state_dict()
+    again = fastfeed.DataLoader(ds, batch_size=4, shuffle=True, num_workers="auto")
+    again.load_state_dict(state)
+    assert again._ff_tuner is None and again.tune_result == loader.tune_result
+    assert again.num_workers == loader.tune_result.num_workers
+    assert torch.equal(torch.cat([*head, _first_column(again)]), want[0])
+
+
+class _Positioned(Busy):
+    """A dataset that keeps its own position (torchdata's Stateful protocol)."""
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, state):
+        self.n = state["n"]
+
+
+def test_a_state_the_tuning_epoch_cannot_hold_is_a_clear_error():
+    """A stateful dataset's state lives in each setting's workers, which the tuning replaces: state_dict() in the
+    tuning epoch names that and the way out."""
+    loader = fastfeed.DataLoader(_Positioned(n=400), batch_size=4, num_workers="auto")
     it = iter(loader)
     next(it)
-    with pytest.raises(RuntimeError, match="tuning epoch"):
+    with pytest.raises(RuntimeError, match="tuning epoch: the dataset's own state.*tune_result.loader_kwargs"):
         loader.state_dict()
     del it
 
@@ -356,6 +443,67 @@ with open(os.path.join({out!r}, f"rank{{rank}}.json"), "w") as f:  # one file ea
                "loader": [loader.num_workers, loader.prefetch_factor]}}, f)
 dist.destroy_process_group()
 """
+
+
+# A job that checkpoints in num_workers="auto"'s first epoch (argv: "save" or "resume", the folder): each rank
+# takes 3 batches past its tuner's first trial, saves (after a `break`) and exits; the resumed job's ranks load their
+# states into fresh "auto" loaders and write every batch they received, both jobs together, for the test to compare
+# with the rank's own DistributedSampler order.
+RESUME_SCRIPT = """
+import json, os, sys
+import torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+from test_tune import Busy
+import fastfeed
+
+mode, out = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+ds = Busy(n=4000)
+sampler = torch.utils.data.DistributedSampler(ds, shuffle=True, seed=3)
+sampler.set_epoch(0)
+loader = fastfeed.DataLoader(ds, batch_size=4, sampler=sampler, num_workers="auto")
+path = os.path.join(out, f"rank{{rank}}")
+seen, more = [], None
+if mode == "save":
+    for batch in loader:
+        seen.append(batch[:, 0].tolist())
+        if more is None and loader._ff_tuner.search.order:
+            more = len(seen) + 3
+        if len(seen) == more:
+            break
+    torch.save(loader.state_dict(), path + ".pt")
+    json.dump(seen, open(path + ".head.json", "w"))
+else:
+    loader.load_state_dict(torch.load(path + ".pt", weights_only=True))
+    rest = [batch[:, 0].tolist() for batch in loader]
+    json.dump(rest, open(path + ".rest.json", "w"))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.hang_limit(240)
+def test_torchrun_ranks_resume_a_state_saved_in_the_tuning_epoch(tmp_path):
+    """Under torchrun (2 ranks, gloo, a DistributedSampler), a job that saves each rank's state during
+    num_workers="auto"'s first epoch and a new job that loads them: every rank's batches, both jobs together, are its
+    own sampler's order, each sample once."""
+    script = tmp_path / "resume.py"
+    script.write_text(RESUME_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for mode in ("save", "resume"):
+        out = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", str(script), mode, str(tmp_path)],
+                             capture_output=True, text=True, timeout=100, env=env)  # fmt: skip
+        assert out.returncode == 0, (mode, out.stderr[-3000:])
+    ds = Busy(n=4000)
+    for rank in (0, 1):
+        sampler = torch.utils.data.DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=3)
+        sampler.set_epoch(0)
+        want = list(sampler)
+        head, rest = (json.loads((tmp_path / f"rank{rank}.{part}.json").read_text()) for part in ("head", "rest"))
+        got = [i for batch in head + rest for i in batch]
+        assert 0 < len(head) < len(want) // 4 and got == want, (rank, len(head), len(got))
 
 
 @pytest.mark.hang_limit(240)

@@ -166,10 +166,11 @@ def _recheck(loader, cached: TuneResult, cache: Cache, key: str, fp: dict, min_w
 
 def resumed(loader) -> None:
     """``load_state_dict()`` on an ``"auto"`` loader: a recheck of the cached setting that has not settled is
-    dropped, and the cached setting serves the run.
+    dropped, and the cached setting serves the run (a search that has not settled goes on, from the state's
+    position: ``online.TuningIter``).
 
-    A state's position is a fixed setting's; and the run that saved it was past its first epoch,
-    where its loader did the recheck.
+    The run that saved the state was on this machine with this cache entry, and rechecked it (or was rechecking
+    it): a resumed run is the same job going on, not a new one.
     """
     tuner = loader._ff_tuner
     if tuner is not None and isinstance(tuner.search, Recheck) and tuner.result is None:

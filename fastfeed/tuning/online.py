@@ -17,6 +17,11 @@ hands the search on to the next). Then the loader settles on the choice, for the
 epoch and after; the cache and ``loader.tune_result`` get it, and one line goes to the
 ``fastfeed`` logger.
 
+The epoch's position is the sampler's alone (each setting's workers start afresh), so ``state_dict()`` gives it as a
+fixed setting's iterator would, without worker states: a run resumed from it continues with the next batch, with the
+tuned values or with ``"auto"`` (whose ``TuningIter`` then tunes on the rest of the epoch). Where the position is more
+than the sampler's (a dataset's own state, a stateful sampler, ``in_order=False``), both raise (``positioned``).
+
 Under ``torch.distributed`` each rank settles on its own choice first and publishes it
 (``agree``); every ``POLL_S`` it looks whether all ranks' choices are in, and then settles
 on the slowest rank's (the same on every rank), switching to it mid-epoch if it differs (the
@@ -30,7 +35,7 @@ import logging
 import time
 import warnings
 
-from .. import affinity, stats
+from .. import _state, affinity, stats
 from .._iterator import RingDataLoaderIter
 from .._single import SingleProcessIter
 from . import agree
@@ -181,12 +186,17 @@ class OnlineTuner:
 class TuningIter:
     """One epoch of an ``"auto"`` loader while its tuner has not settled (see the module's doc)."""
 
-    def __init__(self, loader, tuner: OnlineTuner):
+    def __init__(self, loader, tuner: OnlineTuner, resume: dict | None = None):
+        """``resume``: a loaded state to continue the epoch from (``loader.load_state_dict``), whose position is
+        its sampler's alone (``positioned``); the tuning goes on over the rest of the epoch."""
         self._loader = loader
         self._tuner = tuner
         self._stats = stats.Recorder(0, None)  # the epoch's, across settings (trials read their windows here)
         self._timed = True  # False under a device stage, which records into self._stats instead
-        self._shared = iter(loader._index_sampler)
+        self._source = _Source(iter(loader._index_sampler), loader.generator)
+        self._shared = _state.Drawn(self._source)  # counts the asks, for the state's "asked"
+        self._num_yielded = 0  # batches handed on this epoch, by every setting's iterator
+        self._in_order = True  # (positioned() refuses a loader that delivers out of order)
         self._base_seed = None  # drawn by the first iterator, reused by the others
         self._current = None
         self._gate: _Gate | None = None
@@ -201,6 +211,30 @@ class TuningIter:
         self._run_start = 0
         self._run_began = 0.0
         self._next_poll = 0.0
+        if resume is not None:
+            self._resume(resume)
+
+    def _resume(self, resume: dict) -> None:
+        """Continue the epoch after the batches ``resume`` says were received: the sampler's order is drawn again
+        from the RNGs it first drew from, and the batches seen are skipped unfetched (as a fixed setting's iterator
+        fast-forwards). The workers' base seed is the saved one; nothing is drawn from the RNGs the user sees."""
+        why = positioned(self._loader, resume)
+        if why is not None:
+            raise RuntimeError(f"load_state_dict() on a num_workers='auto' loader whose tuning has not settled: {why}."
+                               " Build it with the tuned values (loader.tune_result.loader_kwargs() of the run that "
+                               "saved the state)")  # fmt: skip
+        if not resume["mid_epoch"]:  # saved between epochs: this one starts afresh
+            return
+        generator = self._loader.generator
+        keep = _state.sampler_rngs(generator)
+        self._base_seed = resume["base_seed"]
+        if resume["sampler_rng"] is not None:  # (None: saved before the sampler's first ask, which draws as loaded)
+            self._source.rng = resume["sampler_rng"]
+            _state.restore_sampler_rngs(resume["sampler_rng"], generator)
+        yielded = resume["yielded"]
+        self._shared.replay(yielded, resume.get("asked", yielded))
+        _state.restore_sampler_rngs(keep, generator)
+        self._num_yielded = yielded
 
     def __iter__(self):
         return self
@@ -230,11 +264,37 @@ class TuningIter:
         self._shutdown_workers()
 
     def state_dict(self, held_back: int = 0) -> dict:
-        raise RuntimeError(
-            "DataLoader.state_dict() in the middle of num_workers='auto''s tuning epoch is not supported: the "
-            "epoch is served by several settings in turn. Take it after this epoch, or pass the tuned values "
-            "(loader.tune_result.loader_kwargs(), or a config from `fastfeed tune --out`)."
-        )
+        """The epoch's position as a fixed setting's iterator gives it, ``held_back`` batches ago: the batches
+        handed on, the sampler's asks and the RNGs it first drew from, the workers' base seed. The workers' own
+        states are not in it (``workers`` is None): each setting's workers start afresh, so positions are the
+        sampler's alone, and a loader with any ``num_workers`` (the tuned one, say) or a tuning loader continues
+        from it."""
+        why = positioned(self._loader)
+        if why is not None:
+            raise RuntimeError(
+                f"DataLoader.state_dict() in the middle of num_workers='auto''s tuning epoch: {why}. Take it after "
+                "this epoch, or pass the tuned values (loader.tune_result.loader_kwargs(), or a config from "
+                "`fastfeed tune --out`)."
+            )
+        if self._finished and not held_back:
+            return self._loader._between_epochs()
+        return {
+            "mid_epoch": True,
+            "yielded": self._num_yielded - held_back,
+            "sampler_rng": self._source.rng,
+            "sampler_state": None,
+            "base_seed": self._base_seed,
+            "dataset": None,
+            "dataset_iter": None,
+            "num_workers": self._loader.num_workers,
+            # Asks past the batches handed on were for tasks in flight (or a device stage's): asked again on
+            # resuming, with the RNGs as saved, so that the sampler draws nothing twice
+            "asked": self._shared.asked,
+            "next_worker": 0,
+            "workers": None,
+            "received_ahead": [],
+            "due": None,
+        }
 
     def _shutdown_workers(self) -> None:
         current, self._current = self._current, None
@@ -266,6 +326,7 @@ class TuningIter:
                 continue
             if not self._tuner.budget.batch_bytes:
                 self._tuner.budget.batch_bytes = batch_bytes(data)
+            self._num_yielded += 1
             return data
 
     def _next_setting(self) -> tuple[Setting, bool]:
@@ -344,6 +405,40 @@ class TuningIter:
     def _account(self) -> None:
         if self._tuner.result is None:
             self._tuner.spent_s += time.monotonic() - self._started
+
+
+class _Source:
+    """The epoch's sampler iterator, shared by its settings' iterators: ``rng`` is what the sampler drew from just
+    before its first index (the state's ``sampler_rng``: a resumed epoch draws its order again from it)."""
+
+    def __init__(self, source, generator):
+        self.source, self.generator = source, generator
+        self.rng = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.rng is None:
+            self.rng = _state.sampler_rngs(self.generator)
+        return next(self.source)
+
+
+def positioned(loader, state: dict | None = None) -> str | None:
+    """Why a tuning epoch's position cannot be the sampler's alone (saved, or ``state`` resumed), or None.
+
+    A tuning epoch's settings each start their workers afresh, so its state holds no worker's state: the dataset's
+    own state, a stateful sampler's, or batches delivered out of order would be lost."""
+    if _state.is_stateful_dataset(loader.dataset):
+        return "the dataset's own state (state_dict) is kept by each setting's workers, which the tuning replaces"
+    if _state.sampler_of(loader) is not None:
+        return "a stateful sampler's position is not followed across the tuning's settings"
+    if not getattr(loader, "in_order", True):
+        return "with in_order=False the batches are delivered out of order"
+    if state is not None and (state.get("due") is not None or state.get("received_ahead")
+                              or state.get("sampler_state") is not None or state.get("dataset") is not None):
+        return "the state holds a position of its own (a torchdata state's batches, or a sampler's or dataset's state)"
+    return None
 
 
 def _sized(loader) -> bool:
