@@ -300,6 +300,29 @@ def test_cpu_bound_workers_sharing_a_core_wait_for_it_and_read_cpu_bound():
 
 
 @needs_schedstat
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")  # torch's, rightly: 2 workers asked of 1 CPU
+def test_the_tuning_epochs_trials_read_the_workers_run_queue_waits_too(tmp_path, monkeypatch):
+    """num_workers="auto"'s trials, on the user's own epoch, read the workers' time per batch and their waits for a
+    core as fastfeed.tune's do: two workers of CPU-bound samples on one core wait about as long as they run, and the search reads them as
+    CPU-bound (without the waits, the model falls back on the cores others left, which misreads latency-bound
+    workers beside busy neighbours as CPU-bound)."""
+    monkeypatch.setenv("FASTFEED_CACHE_DIR", str(tmp_path))
+    with _one_cpu():
+        loader = fastfeed.DataLoader(Spin(n=1600, cpu_s=0.002), batch_size=BATCH, num_workers=2,
+                                     prefetch_factor="auto")  # fmt: skip
+        assert sum(1 for _ in loader) == 400
+    trials = [t for t in loader.tune_result.trials if t.windows]
+    assert trials and all(t.setting.num_workers == 2 for t in trials)
+    for trial in trials:
+        assert trial.load_s is not None and trial.worker_wait_s is not None, trial
+        assert trial.worker_wait_s >= 0.3 * trial.load_s, trial
+        assert Search(max_workers=2, tolerance=0.03, cores=1)._cpu_share(trial) >= CPU_BOUND, trial
+    # The model had its readings on the user's epoch (the workers' time per batch was not read there before, so
+    # num_workers="auto" never had a model)
+    assert loader.tune_result.model is not None and loader.tune_result.model["cpu_bound"]
+
+
+@needs_schedstat
 def test_sleeping_workers_beside_a_spinning_neighbour_do_not_read_cpu_bound():
     """Workers whose samples wait 5 ms, on one core that a spinning stranger holds: each sleep ends in a run queue,
     so part of their time per batch is a wait for the core; of the rest they used little: not CPU-bound."""

@@ -9,6 +9,7 @@ setting whose windows spread more than the tolerance gets more windows, up to ``
 
 from __future__ import annotations
 
+import statistics
 import time
 import warnings
 from typing import Any, Callable
@@ -57,6 +58,16 @@ def load_seconds(st) -> float | None:
     if st.fetch_mean_s is None:
         return None
     return st.fetch_mean_s + (st.collate_mean_s or 0.0)
+
+
+def recorded_load_seconds(rec) -> float | None:
+    """``load_seconds`` from a ``stats.Recorder`` itself: a tuning epoch's trial iterators record their workers'
+    times but not the consumer's (the epoch's own recorder times that), so ``Stats.of`` them is empty."""
+    fetch = [x for series in rec.fetch for x in series] if rec is not None else []
+    if not fetch:
+        return None
+    collate = [x for series in rec.collate for x in series]
+    return statistics.fmean(fetch) + (statistics.fmean(collate) if collate else 0.0)
 
 
 def load_tail(rec) -> float | None:

@@ -39,8 +39,8 @@ from .. import _state, affinity, stats
 from .._iterator import RingDataLoaderIter
 from .._single import SingleProcessIter
 from . import agree
-from .measure import (MAX_WINDOWS, MIN_WINDOWS, WINDOW_BATCHES, WindowsCpu, batch_bytes, load_seconds, load_tail,
-                      private_bytes)
+from .measure import (MAX_WINDOWS, MIN_WINDOWS, WINDOW_BATCHES, WindowsCpu, batch_bytes, load_tail,
+                      private_bytes, recorded_load_seconds)
 from .result import Setting, Trial, TuneResult
 from .search import Search
 
@@ -76,15 +76,17 @@ class _Run:
     the noise and the CPU each side spent, the workers' own when they are local processes.
     """
 
-    def __init__(self, trial: Trial, start: int, warm: int, window: int):
+    def __init__(self, trial: Trial, start: int, warm: int, window: int, pids=()):
+        """``pids``: the setting's local worker processes, whose run-queue waits the windows read (as ``measure``'s
+        trials do: the model tells CPU-bound workers from ones that wait for a core by them)."""
         self.trial = trial
         self.window = window  # batches per window (fewer when a window takes WINDOW_S)
         self.mark = start + warm  # where the current window began
         self.waits = self.steps = 0.0
         s = trial.setting
-        self.cpu = WindowsCpu()
-        self.metering = False  # the first window has begun, and the meter was read there
         self.workers = s.worker_type == "process" and s.num_workers > 0 and not s.remote  # the descendants' CPU
+        self.cpu = WindowsCpu(pids if self.workers else ())
+        self.metering = False  # the first window has begun, and the meter was read there
 
     def update(self, rec: stats.Recorder, tolerance: float) -> bool:
         """Close a window if one is complete; True once the trial has enough windows."""
@@ -364,7 +366,9 @@ class TuningIter:
         # Warm-up: the batches made while the workers started, at most a quarter of the trial.
         warm = min(setting.num_workers * (setting.prefetch_factor or 0) + 1, self._per_trial // 4)
         window = max(WINDOW_BATCHES, (self._per_trial - warm) // self._windows)
-        self._run = _Run(Trial(setting), self._stats.batches, warm, window) if trial else None
+        pool = getattr(it, "_pool", None)
+        pids = () if pool is None or it._threads else list(pool.pids)
+        self._run = _Run(Trial(setting), self._stats.batches, warm, window, pids) if trial else None
         self._run_start = self._stats.batches
         self._run_began = time.monotonic()
 
@@ -376,7 +380,7 @@ class TuningIter:
             self._gate.open = False
             current = self._current
             if current._stats is not None:
-                run.trial.load_s = load_seconds(stats.Stats.of(current._stats))
+                run.trial.load_s = recorded_load_seconds(current._stats)
                 run.trial.load_tail = load_tail(current._stats)
             pool = getattr(current, "_pool", None)
             if pool is not None and not current._threads:  # its workers' memory, while they live
