@@ -184,3 +184,21 @@ def test_auto_finds_the_datasets_containers_before_its_workers_fork():
     ds = _memory_meta.dataset(200_000, sleep_s=0.0)
     loader = fastfeed.DataLoader(ds, batch_size=16, num_workers="auto")
     assert [c.name for c in loader._ff_tuner.budget.containers] == ["items"]
+
+
+def test_auto_measures_a_workers_copy_on_read_growth_on_the_users_epoch(tmp_path, monkeypatch):
+    """num_workers="auto"'s trials read a worker's private memory where their windows begin and end, as
+    fastfeed.tune's do: over 200k metadata dicts read in a shuffled order, each worker grows (copy-on-read), and the
+    budget projects that growth toward the dataset's containers. Before, an online trial read the end alone: no
+    growth, and a worker was priced at its start-up size."""
+    monkeypatch.setenv("FASTFEED_CACHE_DIR", str(tmp_path))
+    ds = _memory_meta.dataset(200_000, sleep_s=0.0)
+    loader = fastfeed.DataLoader(ds, batch_size=16, shuffle=True, num_workers="auto")
+    tuner = loader._ff_tuner
+    for _ in loader:
+        if any(t.setting.num_workers for t in tuner.search.order):
+            break
+    trial = next(t for t in tuner.search.order if t.setting.num_workers)
+    assert trial.worker_start_bytes > 0 and trial.samples_per_worker > 0, trial
+    assert trial.growth_bytes > 0, trial
+    assert tuner.budget.projected_growth_bytes >= trial.growth_bytes > 0

@@ -85,8 +85,11 @@ class _Run:
         self.waits = self.steps = 0.0
         s = trial.setting
         self.workers = s.worker_type == "process" and s.num_workers > 0 and not s.remote  # the descendants' CPU
-        self.cpu = WindowsCpu(pids if self.workers else ())
+        self.pids = list(pids) if self.workers else []
+        self.cpu = WindowsCpu(self.pids)
         self.metering = False  # the first window has begun, and the meter was read there
+        self.start_bytes = 0  # one worker's private memory where the windows begin (after the warm-up)
+        self.start_batch = start + warm
 
     def update(self, rec: stats.Recorder, tolerance: float) -> bool:
         """Close a window if one is complete; True once the trial has enough windows."""
@@ -94,6 +97,10 @@ class _Run:
         if n >= 0 and not self.metering:  # called before each batch: the first window begins with the next one
             self.cpu.open()
             self.metering = True
+            # As measure's trials read it: what a worker grows by from here to the trial's end is what it copied of
+            # the parent's memory by reading its objects (copy-on-read), projected toward the dataset's containers
+            self.start_bytes = private_bytes(self.pids) if self.pids else 0
+            self.start_batch = rec.batches
         if n >= WINDOW_BATCHES:
             wait, step = rec.window(self.mark, rec.batches)
             if n >= self.window or wait + step >= WINDOW_S:
@@ -382,9 +389,13 @@ class TuningIter:
             if current._stats is not None:
                 run.trial.load_s = recorded_load_seconds(current._stats)
                 run.trial.load_tail = load_tail(current._stats)
-            pool = getattr(current, "_pool", None)
-            if pool is not None and not current._threads:  # its workers' memory, while they live
-                run.trial.worker_bytes = private_bytes(pool.pids)
+            if run.pids:  # its workers' memory, while they live
+                trial = run.trial
+                trial.worker_bytes = private_bytes(run.pids)
+                trial.worker_start_bytes = min(run.start_bytes, trial.worker_bytes) if run.start_bytes else 0
+                # The samples each worker read between the two readings (see measure): the batches since, shared out
+                batches = self._stats.batches - run.start_batch
+                trial.samples_per_worker = batches * (self._loader.batch_size or 1) / len(run.pids)
         if self._tuner.result is not None and not self._tuner.agreed and self._gate.open:
             now = time.monotonic()
             if now >= self._next_poll:
