@@ -184,6 +184,45 @@ def test_tune_recognises_a_slow_step_as_not_input_bound_quickly():
     assert len(result.trials) <= 3 and not result.duels, [t.setting for t in result.trials]
 
 
+def _slow_hand_over(monkeypatch, seconds: float) -> None:
+    """Taking a batch from the ring costs ``seconds`` more, ready or not: the wake-up and hand-over of a loaded
+    machine, where the loop's own share of each next() grew to 1-2% of a 50 ms step."""
+    from fastfeed._iterator import RingDataLoaderIter
+
+    take = RingDataLoaderIter._next_data
+
+    def slowed(self):
+        time.sleep(seconds)
+        return take(self)
+
+    monkeypatch.setattr(RingDataLoaderIter, "_next_data", slowed)
+
+
+def test_a_ready_batchs_hand_over_is_the_loops_time_not_a_wait_for_input(monkeypatch):
+    """A 30 ms step and a 3 ms hand-over of batches the workers made well ahead: the loop never waited for input,
+    and fastfeed.tune says not input-bound at its first trial (counted as waits, the hand-over read a 9% stall, and
+    the tuner searched every count for a gain that cannot be had)."""
+    _slow_hand_over(monkeypatch, 0.003)
+    result = fastfeed.tune(Busy(cost_s=0.0), batch_size=4, step=0.03, max_workers=4)
+    assert result.trials[0].stall_fraction < 0.02, result.trials[0]
+    assert not result.input_bound and len(result.trials) <= 3, str(result)
+
+
+def test_auto_counts_a_ready_batchs_hand_over_as_the_loops_time_too(monkeypatch):
+    """num_workers="auto" on the user's epoch reads the same: with a 30 ms step and a 3 ms hand-over, its trials'
+    stall is the waits for batches not ready, not the hand-over, and it settles as not input-bound."""
+    _slow_hand_over(monkeypatch, 0.003)
+    loader = fastfeed.DataLoader(Busy(n=4000), batch_size=4, num_workers="auto")
+    tuner = loader._ff_tuner
+    for _ in loader:
+        time.sleep(0.03)
+        if tuner.result is not None:
+            break
+    first = tuner.search.order[0]
+    assert first.setting.num_workers > 0 and first.stall_fraction < 0.02, first
+    assert not tuner.result.input_bound, str(tuner.result)
+
+
 def test_tune_memory_budget_skips_settings_and_says_so():
     """A budget of a few batches skips larger settings, naming the memory needed and the budget."""
     ds = Busy(shape=(64 * 1024,))  # 512 KB samples, 4 MB batches

@@ -90,6 +90,12 @@ class _Run:
         self.metering = False  # the first window has begun, and the meter was read there
         self.start_bytes = 0  # one worker's private memory where the windows begin (after the warm-up)
         self.start_batch = start + warm
+        self.handed = 0.0  # the window's seconds taking batches that were ready (the loop's own time: see measure)
+
+    def handed_over(self, number: int, seconds: float) -> None:
+        """Batch ``number`` of the epoch was ready when asked for, and taking it took ``seconds``."""
+        if number >= self.mark:
+            self.handed += seconds
 
     def update(self, rec: stats.Recorder, tolerance: float) -> bool:
         """Close a window if one is complete; True once the trial has enough windows."""
@@ -103,12 +109,14 @@ class _Run:
             self.start_batch = rec.batches
         if n >= WINDOW_BATCHES:
             wait, step = rec.window(self.mark, rec.batches)
+            handed = min(self.handed, wait)
+            wait, step = wait - handed, step + handed
             if n >= self.window or wait + step >= WINDOW_S:
                 self.trial.windows.append(n / (wait + step))
                 self.waits, self.steps = self.waits + wait, self.steps + step
                 total = self.waits + self.steps
                 self.trial.stall_fraction = self.waits / total if total > 0 else 0.0
-                self.mark = rec.batches
+                self.mark, self.handed = rec.batches, 0.0
                 self.cpu.close(n)  # and the next window begins here
                 self.cpu.settle(self.trial, self.workers)
         t = self.trial
@@ -255,9 +263,14 @@ class TuningIter:
         if not self._timed:
             return self._next_batch()
         ready = self._ready_count()
+        handed = self._batch_ready()  # ready already: taking it is no wait for input (see _Run.handed_over)
         asked = time.perf_counter()
         data = self._next_batch()
-        self._stats.add(asked, ready, time.perf_counter())
+        returned = time.perf_counter()
+        number = self._stats.batches
+        self._stats.add(asked, ready, returned)
+        if handed and self._run is not None:
+            self._run.handed_over(number, returned - asked)
         return data
 
     # -- what the loader and a device stage ask of an iterator --------------------------------
@@ -267,7 +280,8 @@ class TuningIter:
         return count() if count is not None else 0
 
     def _batch_ready(self) -> bool:
-        return self._current is not None and self._current._batch_ready()
+        ready = getattr(self._current, "_batch_ready", None)  # none with num_workers=0: the loop loads
+        return ready is not None and ready()
 
     def end_epoch(self) -> None:
         self._shutdown_workers()

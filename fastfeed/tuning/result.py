@@ -52,7 +52,8 @@ class Trial:
 
     Attributes:
         windows: batches/s of each window, warm-up excluded.
-        stall_fraction: over the windows: Σwait / (Σwait + Σstep) (near 1 with no step: the loop only loads).
+        stall_fraction: over the windows: Σwait / (Σwait + Σstep) (near 1 with no step: the loop only loads); a
+            wait is an ask that found no batch ready: taking a ready one is the loop's own time, a step's.
         skipped: why the setting was not measured (memory budget, CPU limit), or None.
         seconds: wall time the trial took, start-up and warm-up included.
         batch_bytes: bytes of tensor data in one batch.
