@@ -213,7 +213,7 @@ class TuningIter:
         self._source = _Source(iter(loader._index_sampler), loader.generator)
         self._shared = _state.Drawn(self._source)  # counts the asks, for the state's "asked"
         self._num_yielded = 0  # batches handed on this epoch, by every setting's iterator
-        self._in_order = True  # (positioned() refuses a loader that delivers out of order)
+        self._in_order = getattr(loader, "in_order", True)  # its settings' iterators deliver as the loader says
         self._base_seed = None  # drawn by the first iterator, reused by the others
         self._current = None
         self._gate: _Gate | None = None
