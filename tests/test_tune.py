@@ -309,13 +309,13 @@ def _torch_epochs(ds, seed: int, epochs: int = 2) -> list:
     return [_first_column(fixed) for _ in range(epochs)]
 
 
-def _taken(loader, k: int, after_trials: int = 0) -> list:
-    """The first ``k`` batches' first columns (or, with ``after_trials``, ``k`` more once the tuner has had that many
-    trials), then a ``break``, as a training loop that stops to save leaves it."""
+def _taken(loader, k: int) -> list:
+    """The batches' first columns up to ``k`` into the tuner's second trial (past the end of its first), then a
+    ``break``, as a training loop that stops to save leaves it."""
     seen, more = [], None
     for batch in loader:
         seen.append(batch[:, 0].clone())
-        if more is None and len(loader._ff_tuner.search.order if after_trials else ()) >= after_trials:
+        if more is None and loader._ff_tuner.search.order:
             more = len(seen) + k
         if len(seen) == more:
             break
@@ -333,7 +333,7 @@ def test_a_state_saved_in_the_tuning_epoch_resumes_it_exactly(resumed_with, cach
     want = _torch_epochs(ds, 11)
     torch.manual_seed(11)
     saving = fastfeed.DataLoader(ds, batch_size=4, shuffle=True, num_workers="auto")
-    seen = _taken(saving, 3, after_trials=1)
+    seen = _taken(saving, 3)
     assert saving._ff_tuner.result is None  # tuning, not settled
     state = json.loads(json.dumps(saving.state_dict()))
     assert state["mid_epoch"] and state["yielded"] == len(seen) and state["workers"] is None
@@ -368,7 +368,7 @@ def test_a_state_saved_mid_tuning_epoch_continues_the_same_loader_and_a_tuning_l
     assert torch.equal(torch.cat(seen), want[0]) and loader.tune_result is not None
     torch.manual_seed(5)
     settled = fastfeed.DataLoader(ds, batch_size=4, shuffle=True, num_workers="auto")  # a cache hit: a recheck
-    head = _taken(settled, 3, after_trials=1)  # in the recheck's second trial
+    head = _taken(settled, 3)  # in the recheck's second trial
     assert settled._ff_tuner.result is None
     state = settled.state_dict()
     again = fastfeed.DataLoader(ds, batch_size=4, shuffle=True, num_workers="auto")
