@@ -141,8 +141,11 @@ def forkserver_run(tmp_path_factory):
                             multiprocessing_context="forkserver"))
         assert_same(run(_candidate.DataLoader), run(tud.DataLoader))
         print("SAME", flush=True)
-        def order(cls):
-            loader = cls(ds.StragglerMap(10, slow=0), num_workers=2, in_order=False, multiprocessing_context="forkserver")
+        def order(cls, gate):
+            # The gate holds the straggler's delay until the other worker has started: beside other load the
+            # forkserver's second worker started over a second after the first, and there was no straggler
+            loader = cls(ds.StragglerMap(10, slow=0, gate=gate), num_workers=2, in_order=False,
+                         multiprocessing_context="forkserver")
             return [int(b[1]) for b in loader]
         def started(cls, directory):
             os.mkdir(directory)
@@ -151,7 +154,8 @@ def forkserver_run(tmp_path_factory):
             held = next(it)
             time.sleep(1.0)
             return len(os.listdir(directory))
-        print(order(_candidate.DataLoader), order(tud.DataLoader))
+        print(order(_candidate.DataLoader, {str(tmp_path / "gate-c")!r}),
+              order(tud.DataLoader, {str(tmp_path / "gate-t")!r}))
         print(started(_candidate.DataLoader, {str(tmp_path / "c")!r}), started(tud.DataLoader, {str(tmp_path / "t")!r}))
         """
     )

@@ -303,9 +303,9 @@ def test_cpu_bound_workers_sharing_a_core_wait_for_it_and_read_cpu_bound():
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")  # torch's, rightly: 2 workers asked of 1 CPU
 def test_the_tuning_epochs_trials_read_the_workers_run_queue_waits_too(tmp_path, monkeypatch):
     """num_workers="auto"'s trials, on the user's own epoch, read the workers' time per batch and their waits for a
-    core as fastfeed.tune's do: two workers of CPU-bound samples on one core wait about as long as they run, and the search reads them as
-    CPU-bound (without the waits, the model falls back on the cores others left, which misreads latency-bound
-    workers beside busy neighbours as CPU-bound)."""
+    core as fastfeed.tune's do: two workers of CPU-bound samples on one core wait about as long as they run, and the
+    search reads them as CPU-bound (without the waits, the model falls back on the cores others left, which misreads
+    latency-bound workers beside busy neighbours as CPU-bound)."""
     monkeypatch.setenv("FASTFEED_CACHE_DIR", str(tmp_path))
     with _one_cpu():
         loader = fastfeed.DataLoader(Spin(n=1600, cpu_s=0.002), batch_size=BATCH, num_workers=2,
