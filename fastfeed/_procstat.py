@@ -55,7 +55,7 @@ def tree_ticks(root: int | None = None) -> tuple[int, int]:
 _HAS_CHILDREN = os.path.exists(f"/proc/self/task/{os.getpid()}/children")
 
 
-def _stat_ticks(pid: int) -> tuple[int, int, int]:
+def stat_ticks(pid: int) -> tuple[int, int, int]:
     """``(ppid, utime + stime, cutime + cstime)`` of a live process; OSError or ValueError once it has gone."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         text = f.read()
@@ -70,7 +70,7 @@ def _tree_stats(root: int) -> dict[int, tuple[int, int]]:
     tree = [root]
     for pid in tree:  # grows while we walk it: breadth-first over grandchildren too
         try:
-            out[pid] = _stat_ticks(pid)[1:]
+            out[pid] = stat_ticks(pid)[1:]
             for tid in os.listdir(f"/proc/{pid}/task"):  # a child's parent is the thread that forked it
                 with open(f"/proc/{pid}/task/{tid}/children") as f:
                     tree.extend(int(c) for c in f.read().split())
@@ -87,7 +87,7 @@ def _scanned_stats(root: int) -> dict[int, tuple[int, int]]:
         if not entry.name.isdigit():
             continue
         try:
-            ppid, run, reaped = _stat_ticks(int(entry.name))
+            ppid, run, reaped = stat_ticks(int(entry.name))
         except (OSError, IndexError, ValueError):
             continue  # exited while we scanned
         children.setdefault(ppid, []).append(int(entry.name))

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 
+from .._procstat import CLK_TCK, stat_ticks
 from .._ring.segments import alive
 
 MB = 1e6
@@ -179,20 +180,17 @@ def tree_cpu_s() -> float:
     ``persistent_workers=False``) moves its CPU from its own entry to its parent's, so the difference of two
     readings keeps it, to a tick.
     """
-    tick = os.sysconf("SC_CLK_TCK")
     total = 0.0
     for pid in process_tree():
         try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-            ticks = [int(v) for v in fields[11:15]]  # utime, stime, cutime, cstime: fields 14-17
+            _, run, reaped = stat_ticks(pid)
         except (OSError, IndexError, ValueError):
             continue  # exited while we read
-        total += (ticks[2] + ticks[3]) / tick
+        total += reaped / CLK_TCK
         try:
             total += time.clock_gettime(_cpu_clock(pid))
         except OSError:
-            total += (ticks[0] + ticks[1]) / tick  # exited since its stat was read: that reading, to a tick
+            total += run / CLK_TCK  # exited since its stat was read: that reading, to a tick
     return total
 
 
