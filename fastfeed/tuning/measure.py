@@ -53,16 +53,10 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def load_seconds(st) -> float | None:
-    """A worker's seconds per batch (fetch and collate), from a loader's ``Stats``."""
-    if st.fetch_mean_s is None:
-        return None
-    return st.fetch_mean_s + (st.collate_mean_s or 0.0)
-
-
-def recorded_load_seconds(rec) -> float | None:
-    """``load_seconds`` from a ``stats.Recorder`` itself: a tuning epoch's trial iterators record their workers'
-    times but not the consumer's (the epoch's own recorder times that), so ``Stats.of`` them is empty."""
+def load_seconds(rec) -> float | None:
+    """A worker's seconds per batch (fetch and collate), from a loader's ``stats.Recorder``: read from the recorder
+    itself, not ``Stats.of`` it, since a tuning epoch's trial iterators record their workers' times but not the
+    consumer's (the epoch's own recorder times that), and ``Stats.of`` such a recorder is empty."""
     fetch = [x for series in rec.fetch for x in series] if rec is not None else []
     if not fetch:
         return None
@@ -194,8 +188,8 @@ def _windows(loader, trial: Trial, step, tolerance: float, deadline: float, wind
         trial.windows.append(rate)
         waits, steps = waits + wait, steps + stepped
     trial.stall_fraction = waits / (waits + steps) if waits + steps > 0 else 0.0
-    trial.load_s = load_seconds(loader.stats())
-    trial.load_tail = load_tail(loader._ff_stats)  # fastfeed's loaders, DALI's too, keep their recorder there
+    rec = loader._ff_stats  # fastfeed's loaders, DALI's too, keep their recorder there
+    trial.load_s, trial.load_tail = load_seconds(rec), load_tail(rec)
     pids = _worker_pids(loader) or pids
     feed.cpu.settle(trial, workers=bool(pids) and not trial.setting.remote)
     if pids:

@@ -40,7 +40,7 @@ from .._iterator import RingDataLoaderIter
 from .._single import SingleProcessIter
 from . import agree
 from .measure import (MAX_WINDOWS, MIN_WINDOWS, WINDOW_BATCHES, WindowsCpu, batch_bytes, load_tail,
-                      private_bytes, recorded_load_seconds)
+                      private_bytes, load_seconds)
 from .result import Setting, Trial, TuneResult
 from .search import Search
 
@@ -401,7 +401,7 @@ class TuningIter:
             self._gate.open = False
             current = self._current
             if current._stats is not None:
-                run.trial.load_s = recorded_load_seconds(current._stats)
+                run.trial.load_s = load_seconds(current._stats)
                 run.trial.load_tail = load_tail(current._stats)
             if run.pids:  # its workers' memory, while they live
                 trial = run.trial
