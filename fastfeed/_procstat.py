@@ -1,4 +1,4 @@
-"""CPU time from /proc: the busy ticks of a set of CPUs, and those of a process tree.
+"""CPU time from /proc: the busy ticks of a set of CPUs, and the CPU seconds of a process tree.
 
 Shared by the doctor's sampler and the tuner's noise meter (``fastfeed.tuning.noise``): a module of its own,
 importing nothing of fastfeed, since the tuning is imported by the loader and the doctor's package imports the
@@ -8,6 +8,7 @@ loader.
 from __future__ import annotations
 
 import os
+import time
 from typing import Collection
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -38,16 +39,36 @@ def _cpu_ticks(line: str) -> tuple[int, int, int]:
     return busy, iowait, busy + idle + iowait
 
 
-def tree_ticks(root: int | None = None) -> tuple[int, int]:
-    """``(own, descendants)`` clock ticks of ``root`` (default: this process) and of its live descendants.
+def tree_cpu_s(root: int | None = None) -> tuple[float, float]:
+    """``(own, descendants)`` CPU seconds (user + system) so far of ``root`` (default: this process) and of its
+    live descendants.
 
-    ``own``: utime + stime of ``root``. ``descendants``: utime + stime + cutime + cstime of each live descendant,
-    plus ``root``'s cutime + cstime: a child that has exited and been reaped still counts, through its parent.
+    ``own``: ``root``'s CPU-time clock. ``descendants``: each live descendant's CPU-time clock and its reaped
+    children's time, plus ``root``'s reaped children's: a child that has exited and been reaped still counts,
+    through its parent.
+
+    A live process's time is its CPU-time clock (``clock_gettime`` on the process's clock id: every thread, ended
+    ones too), in nanoseconds. ``/proc/<pid>/stat`` gives it in clock ticks (10 ms): over a short window, a few
+    batches whose CPU is a few ms, the difference of two readings is off by up to a tick per process, which read a
+    4-worker trial's CPU per batch as half or one and a half times what it was. Reaped children's time is in
+    ticks (``cutime``, ``cstime``): the kernel keeps no finer figure for them.
     """
     root = root or os.getpid()
-    ticks = _tree_stats(root) if _HAS_CHILDREN else _scanned_stats(root)
-    own, reaped = ticks.pop(root, (0, 0))
-    return own, reaped + sum(a + b for a, b in ticks.values())
+    stats = _tree_stats(root) if _HAS_CHILDREN else _scanned_stats(root)
+    own, reaped = stats.pop(root, (0, 0))
+    descendants = reaped / CLK_TCK
+    for pid, (run, theirs) in stats.items():
+        descendants += theirs / CLK_TCK + _clock_s(pid, run)
+    return _clock_s(root, own), descendants
+
+
+def _clock_s(pid: int, ticks: int) -> float:
+    """Process ``pid``'s CPU-time clock in seconds; ``ticks`` (its stat's, just read) once it has exited."""
+    try:
+        # glibc's clock_getcpuclockid, which Python does not bind: (~pid << 3) | CPUCLOCK_SCHED, the whole process
+        return time.clock_gettime((~pid << 3) | 2)
+    except OSError:
+        return ticks / CLK_TCK
 
 
 # /proc/<pid>/task/<tid>/children needs CONFIG_PROC_CHILDREN: where it is, the tree is walked through it (tens of

@@ -33,19 +33,19 @@ def load_stretch() -> float:
 class OthersLoad:
     """The cores other processes kept busy on this process's CPUs while a scenario ran, second by second.
 
-    A thread reads, every 0.1 s, the busy ticks of those CPUs (/proc/stat, as the doctor's sampler reads them)
-    less the ticks this process and its descendants have used, until the block ends.
+    A thread reads, every 0.1 s, the busy time of those CPUs (/proc/stat, as the doctor's sampler reads them)
+    less the CPU time this process and its descendants have used, until the block ends.
     """
 
     def __init__(self) -> None:
-        self.readings: list[tuple[float, int]] = []
+        self.readings: list[tuple[float, float]] = []  # (t, core-seconds of others so far)
         self._meter = CpuMeter()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="others-load", daemon=True)
 
     def _read(self) -> None:
         r = self._meter.read()  # the tuner's own reading of others' load (fastfeed.tuning.noise)
-        self.readings.append((r.t, r.busy - r.own - r.children))
+        self.readings.append((r.t, r.busy / CLK_TCK - r.own - r.children))
 
     def _run(self) -> None:
         while not self._done.wait(0.1):
@@ -64,8 +64,8 @@ class OthersLoad:
     def mean(self) -> float:
         """The cores other processes kept busy on average over the whole run."""
         (t0, n0), (t1, n1) = self.readings[0], self.readings[-1]
-        # Ticks are read busy-less-own at two moments: over a block of a few ticks the difference can dip below 0.
-        return max(0.0, (n1 - n0) / CLK_TCK / (t1 - t0)) if t1 > t0 else 0.0
+        # The CPUs' busy time is in ticks: over a block of a few ticks, busy less the tree's can dip below 0.
+        return max(0.0, (n1 - n0) / (t1 - t0)) if t1 > t0 else 0.0
 
     def peak(self, window_s: float = 1.0) -> float:
         """The most cores other processes used over any ``window_s`` of the run, or over the whole run when it is
@@ -76,7 +76,7 @@ class OthersLoad:
                 j += 1
             t1, n1 = self.readings[j]
             if t1 > t0 and (t1 - t0 >= window_s or t0 == self.readings[0][0]):
-                out = max(out, (n1 - n0) / CLK_TCK / (t1 - t0))
+                out = max(out, (n1 - n0) / (t1 - t0))
         return out
 
 

@@ -8,6 +8,7 @@ import secrets
 import subprocess
 import sys
 
+from _burner import burner
 from fastfeed.bench.accounting import main_cpu_s, shm_left, shm_owner, tree_cpu_s
 
 SHM = "/dev/shm"
@@ -63,36 +64,16 @@ def test_a_live_strangers_segment_is_not_left_but_ours_and_a_dead_makers_are():
         os.kill(outside_pid, 9)
 
 
-# Burns CPU_MS of its own CPU time each time it reads a line, then answers: a worker that works between two readings.
-_BURNER = """
-import sys, time
-print(flush=True)  # started: Python's start-up is not between the readings
-for _ in sys.stdin:
-    t = time.process_time()
-    while time.process_time() - t < float(sys.argv[1]) / 1000:
-        pass
-    print(flush=True)
-"""
-
-
 def test_a_process_trees_cpu_time_sees_a_child_work_for_less_than_a_clock_tick():
     """A child that works 3 ms between two readings adds 3 ms, not the 0 or 10 ms of /proc's clock ticks: a
     2-batch trial whose batches were prefetched read 0 s of CPU for its whole tree (CI, test_jpeg)."""
-    child = subprocess.Popen([sys.executable, "-c", _BURNER, "3"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True)
-    try:
-        child.stdout.readline()
-        seen = []
+    seen = []
+    with burner(3) as burn:
         for _ in range(3):
             tree0, self0 = tree_cpu_s(), main_cpu_s()
-            child.stdin.write("\n")
-            child.stdin.flush()
-            child.stdout.readline()
+            burn()
             self1, tree1 = main_cpu_s(), tree_cpu_s()
             # This process's own time between the readings (reading /proc, the pipe) is not the child's.
             seen.append((tree1 - tree0) - (self1 - self0))
-        # Past 3 ms by the child's reading of its clock and its reply; never a whole tick of 10 ms.
-        assert all(0.0029 < s < 0.008 for s in seen), seen
-    finally:
-        child.stdin.close()
-        child.wait(timeout=10)
+    # Past 3 ms by the child's reading of its clock and its reply; never a whole tick of 10 ms.
+    assert all(0.0029 < s < 0.008 for s in seen), seen

@@ -18,9 +18,11 @@ import torch
 from torch.utils.data import Dataset
 
 import fastfeed
+from _burner import burner
 from fastfeed import _procstat
 from fastfeed._procstat import CLK_TCK
-from fastfeed.tuning import measure
+from fastfeed import stats
+from fastfeed.tuning import measure, online
 from fastfeed.tuning.noise import CpuMeter, Reading, usage
 from fastfeed.tuning.result import Setting, Trial, TuneResult
 from fastfeed.tuning.search import CPU_BOUND, DEFAULT_PREFETCH, Search
@@ -66,8 +68,8 @@ def _ticks(pid: int) -> int:
 
 def test_usage_takes_the_tree_out_of_the_cpus_busy_ticks():
     """Of 1.5 cores busy over 2 s, 0.25 were this process's and 0.5 its children's: others kept 0.75."""
-    a = Reading(t=10.0, busy=1000, own=100, children=50)
-    b = Reading(t=12.0, busy=1000 + 3 * CLK_TCK, own=100 + CLK_TCK // 2, children=50 + CLK_TCK)
+    a = Reading(t=10.0, busy=1000, own=1.0, children=0.5)
+    b = Reading(t=12.0, busy=1000 + 3 * CLK_TCK, own=1.5, children=1.5)
     u = usage(a, b)
     assert u.seconds == 2.0
     assert u.own_cpu_s == pytest.approx(0.5) and u.children_cpu_s == pytest.approx(1.0)
@@ -75,11 +77,12 @@ def test_usage_takes_the_tree_out_of_the_cpus_busy_ticks():
 
 
 def test_usage_never_reads_negative():
-    """A descendant that left the tree unreaped takes its ticks along: children and others stay at 0, not below."""
-    a = Reading(t=0.0, busy=500, own=10, children=400)
-    b = Reading(t=1.0, busy=510, own=20, children=100)
+    """A descendant that left the tree unreaped takes its CPU time along: children and others stay at 0, not
+    below."""
+    a = Reading(t=0.0, busy=500, own=0.1, children=4.0)
+    b = Reading(t=1.0, busy=500 + CLK_TCK // 10, own=0.2, children=1.0)
     u = usage(a, b)
-    assert u.children_cpu_s == 0.0 and u.others_cores == 0.0 and u.own_cpu_s == pytest.approx(10 / CLK_TCK)
+    assert u.children_cpu_s == 0.0 and u.others_cores == 0.0 and u.own_cpu_s == pytest.approx(0.1)
 
 
 # -- the meter on live processes ---------------------------------------------------------------------------------
@@ -140,6 +143,21 @@ def test_a_busy_child_is_the_trees_cpu_not_others():
     # Read as others' load too, the child's cores would come on top of the tree's own: more than the CPUs hold.
     tree_cores = (u.own_cpu_s + u.children_cpu_s) / u.seconds
     assert u.others_cores + tree_cores <= CPUS + 0.15, (u, tree_cores)
+
+
+def test_the_meter_sees_a_child_work_for_less_than_a_clock_tick():
+    """A child that works 3 ms between two readings is 3 ms of the descendants' CPU, not the 0 or 10 ms of /proc's
+    clock ticks: a 4-worker trial of 8 batches on the user's epoch read 1.25 ms of CPU per batch where its samples
+    cost 2 ms (CI, test_auto_trials_carry_the_noise_and_the_cpu)."""
+    meter = CpuMeter()
+    seen = []
+    with burner(3) as burn:
+        for _ in range(3):
+            a = meter.read()
+            burn()
+            seen.append(usage(a, meter.read()).children_cpu_s)
+    # Past 3 ms by the child's reading of its clock and its reply; never a whole tick of 10 ms.
+    assert all(0.0029 < s < 0.008 for s in seen), seen
 
 
 @contextlib.contextmanager
@@ -377,6 +395,48 @@ def test_auto_trials_carry_the_noise_and_the_cpu():
         assert (t.worker_cpu_s is not None) == workers, t
         if workers:
             assert t.worker_cpu_s >= BATCH * 0.0005 * 0.8, t  # what the samples cost (their share in the windows)
+
+
+def test_the_tuning_epochs_readings_are_not_in_its_windows(monkeypatch):
+    """The trial's readings (the workers' memory, the CPU meter) are taken inside the epoch's asks. Reading 4 workers'
+    memory took 20-40 ms, in a first window of 10 ms of batches: it read a third of the setting's rate, and every
+    trial's spread was too wide to stop before its last window. Here the readings take 40 ms and 10 ms, and batches
+    2 ms (1 ms waited for, 1 ms of step): every window reads what the batches alone take."""
+    monkeypatch.setattr(online, "private_bytes", lambda pids: (time.sleep(0.04), 1 << 20)[1])
+    read = CpuMeter.read
+    monkeypatch.setattr(CpuMeter, "read", lambda self: (time.sleep(0.01), read(self))[1])
+    rec = stats.Recorder(0, None)
+    run = online._Run(Trial(Setting("process", 1, 2)), 0, warm=3, window=6, pids=[os.getpid()])
+    batches = 0.0  # the seconds of the batches alone: the asks' own time and the steps, readings excluded
+    done = False
+    while not done:
+        asked = time.perf_counter()
+        done = run.update(rec, tolerance=0.0)
+        began = time.perf_counter()
+        time.sleep(0.001)  # waiting for the batch
+        returned = time.perf_counter()
+        rec.add(asked, 0, returned)
+        time.sleep(0.001)  # the step
+        batches += time.perf_counter() - began
+    rate = rec.batches / batches
+    assert len(run.trial.windows) == measure.MAX_WINDOWS
+    assert all(0.75 * rate <= w <= 1.33 * rate for w in run.trial.windows), (run.trial.windows, rate)
+    assert 0.3 <= run.trial.stall_fraction <= 0.7, run.trial  # 1 ms waited of 2, the readings not counted as waits
+
+
+def test_the_tuning_epochs_windows_are_whole_rounds_of_the_workers():
+    """3 workers hand over their batches together: two ready at once, then a wait of 6 ms for the next round. A
+    window of 4 batches read its phase (two waits or one: 660 or 330 batches/s); whole rounds read 500, each."""
+    rec = stats.Recorder(0, None)
+    run = online._Run(Trial(Setting("process", 3, 2)), 0, warm=3, window=4)
+    t = 0.0
+    while not run.update(rec, tolerance=0.0):
+        wait = 0.006 if rec.batches % 3 == 0 else 0.0
+        rec.add(t, 0, t + wait)
+        t += wait
+    assert len(run.trial.windows) == measure.MAX_WINDOWS
+    # Each within a tenth of 500: the readings' own time (real, where the waits here are not) is taken out too.
+    assert all(w == pytest.approx(500, rel=0.1) for w in run.trial.windows), run.trial.windows
 
 
 # -- saved results -----------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 
-from .._procstat import CLK_TCK, stat_ticks
+from .. import _procstat
 from .._ring.segments import alive
 
 MB = 1e6
@@ -169,35 +169,15 @@ def main_cpu_s() -> float:
 
 
 def tree_cpu_s() -> float:
-    """CPU seconds (user + system) so far of this process and its live descendants, with their reaped children.
+    """CPU seconds (user + system) so far of this process and its live descendants, with their reaped children
+    (``_procstat.tree_cpu_s``, in nanoseconds for the live ones: a short trial's 2 batches, prefetched before it,
+    cost a few ms, which clock ticks round to 0).
 
-    A live process's own time is its CPU-time clock (``clock_gettime`` on the process's clock id, every thread,
-    ended ones too), in nanoseconds: ``/proc/<pid>/stat`` gives it in clock ticks (10 ms), which a short trial's
-    difference of two readings can round to 0 (a 2-batch trial whose batches were prefetched before it).
-    ``getrusage(RUSAGE_CHILDREN)`` cannot help, as worker processes are not reaped until their loader ends.
-    Each process's reaped children count too (``cutime``, ``cstime``, in ticks: the kernel keeps no finer
-    figure for them): a worker that exits and is joined between two readings (epoch mode,
-    ``persistent_workers=False``) moves its CPU from its own entry to its parent's, so the difference of two
-    readings keeps it, to a tick.
+    ``getrusage(RUSAGE_CHILDREN)`` cannot help, as worker processes are not reaped until their loader ends. A
+    worker that exits and is joined between two readings (epoch mode, ``persistent_workers=False``) moves its CPU
+    from its own entry to its parent's reaped children, so the difference of two readings keeps it, to a tick.
     """
-    total = 0.0
-    for pid in process_tree():
-        try:
-            _, run, reaped = stat_ticks(pid)
-        except (OSError, IndexError, ValueError):
-            continue  # exited while we read
-        total += reaped / CLK_TCK
-        try:
-            total += time.clock_gettime(_cpu_clock(pid))
-        except OSError:
-            total += run / CLK_TCK  # exited since its stat was read: that reading, to a tick
-    return total
-
-
-def _cpu_clock(pid: int) -> int:
-    """The clock id of process ``pid``'s CPU time, as glibc's ``clock_getcpuclockid`` makes it (Python has no
-    binding): ``(~pid << 3) | CPUCLOCK_SCHED``, the whole process (not one thread), in nanoseconds."""
-    return (~pid << 3) | 2
+    return sum(_procstat.tree_cpu_s())
 
 
 def release_freed_memory() -> None:

@@ -5,7 +5,7 @@ makes that setting look slower than it is. ``CpuMeter.read()`` at a window's two
 (``usage``):
 
 - ``others_cores``: the cores other processes kept busy on this rank's CPUs (``os.sched_getaffinity(0)``): the
-  busy ticks of those CPUs (/proc/stat), less the ticks of this process and its descendants;
+  busy time of those CPUs (/proc/stat), less the CPU time of this process and its descendants;
 - ``own_cpu_s``: this process's CPU seconds (the training loop, the pin thread, thread workers);
 - ``children_cpu_s``: its descendants' CPU seconds (process workers), those reaped meanwhile included.
 
@@ -18,17 +18,18 @@ import os
 import time
 from dataclasses import dataclass
 
-from .._procstat import CLK_TCK, parse_stat, tree_ticks
+from .._procstat import CLK_TCK, parse_stat, tree_cpu_s
 
 
 @dataclass(frozen=True)
 class Reading:
-    """The counters at one moment: ``t`` (``time.monotonic()``) and clock ticks (see ``CpuMeter.read``)."""
+    """The counters at one moment: ``t`` (``time.monotonic()``), the CPUs' clock ticks and the tree's CPU seconds
+    (see ``CpuMeter.read``)."""
 
     t: float
-    busy: int  # of this rank's CPUs, by any process
-    own: int  # this process's utime + stime
-    children: int  # its descendants', live and reaped
+    busy: int  # clock ticks of this rank's CPUs, by any process
+    own: float  # this process's CPU seconds
+    children: float  # its descendants', live and reaped
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class Usage:
 class CpuMeter:
     """Readings of this rank's CPUs and of this process tree's CPU time.
 
-    The CPUs are those this process may run on when the meter is made. The tree's ticks are subtracted from
+    The CPUs are those this process may run on when the meter is made. The tree's CPU time is subtracted from
     theirs whichever CPUs the tree ran on: a worker pinned outside them (a NUMA plan) makes ``others_cores`` read
     low, never high, and it is kept at 0 or more.
     """
@@ -55,18 +56,18 @@ class CpuMeter:
     def read(self) -> Reading:
         with open("/proc/stat") as f:
             busy = parse_stat(f.read(), self.cpus)[0]
-        own, children = tree_ticks()
+        own, children = tree_cpu_s()
         return Reading(time.monotonic(), busy, own, children)
 
 
 def usage(a: Reading, b: Reading) -> Usage:
     """What the CPUs did from reading ``a`` to the later reading ``b``.
 
-    A descendant that exits between them unreaped by the tree (its parent gone first) takes its ticks along: the
+    A descendant that exits between them unreaped by the tree (its parent gone first) takes its CPU time along: the
     children's CPU is then kept at 0 or more rather than read as negative.
     """
     seconds = b.t - a.t
     own = b.own - a.own
-    children = max(0, b.children - a.children)
-    others = max(0, (b.busy - a.busy) - own - children)
-    return Usage(seconds, others / CLK_TCK / seconds if seconds > 0 else 0.0, own / CLK_TCK, children / CLK_TCK)
+    children = max(0.0, b.children - a.children)
+    others = max(0.0, (b.busy - a.busy) / CLK_TCK - own - children)
+    return Usage(seconds, others / seconds if seconds > 0 else 0.0, own, children)

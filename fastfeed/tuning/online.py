@@ -80,6 +80,10 @@ class _Run:
         """``pids``: the setting's local worker processes, whose run-queue waits the windows read (as ``measure``'s
         trials do: the model tells CPU-bound workers from ones that wait for a core by them)."""
         self.trial = trial
+        # Windows of whole rounds of the workers, as measure's: in order, each worker's batch comes in turn, the
+        # ready ones at once and then a wait, so a window of part of a round reads its phase. 4 batches of 3
+        # workers read from 600 to 1 600 batches/s.
+        self.per_round = max(1, trial.setting.total)
         self.window = window  # batches per window (fewer when a window takes WINDOW_S)
         self.mark = start + warm  # where the current window began
         self.waits = self.steps = 0.0
@@ -88,27 +92,42 @@ class _Run:
         self.pids = list(pids) if self.workers else []
         self.cpu = WindowsCpu(self.pids)
         self.metering = False  # the first window has begun, and the meter was read there
-        self.start_bytes = 0  # one worker's private memory where the windows begin (after the warm-up)
-        self.start_batch = start + warm
+        self.start = start  # the trial's first batch
+        self.start_bytes = 0  # one worker's private memory after the trial's first batch...
+        self.start_batch: int | None = None  # ...and the batch it was read before
         self.handed = 0.0  # the window's seconds taking batches that were ready (the loop's own time: see measure)
+        self.window_metered = 0.0  # the window's seconds of readings, inside its asks (see update)
+        self.metered = (-1, 0.0)  # the batch whose ask the last readings were in, and their seconds
 
     def handed_over(self, number: int, seconds: float) -> None:
         """Batch ``number`` of the epoch was ready when asked for, and taking it took ``seconds``."""
         if number >= self.mark:
-            self.handed += seconds
+            at, metered = self.metered
+            self.handed += seconds - metered if number == at else seconds
 
     def update(self, rec: stats.Recorder, tolerance: float) -> bool:
-        """Close a window if one is complete; True once the trial has enough windows."""
+        """Close a window if one is complete; True once the trial has enough windows.
+
+        Called inside the epoch's ask for batch ``rec.batches``: the time its readings take (the meter, the
+        workers' memory) is in that ask, so it is taken out of the window's, as ``measure``'s trials read the meter
+        outside their timed span. Reading 4 workers' memory took 20-40 ms in a first window of 10 ms of batches,
+        which read a third of the setting's rate and made every trial's spread too wide to stop before its last
+        window."""
+        began = time.perf_counter()
         n = rec.batches - self.mark
+        if self.start_batch is None and rec.batches > self.start:
+            # As measure's trials read it, once the workers have made the trial's first batch: what a worker grows
+            # by from here to the trial's end is what it copied of the parent's memory by reading its objects
+            # (copy-on-read), projected toward the dataset's containers. Read before the warm-up, whose batches
+            # take what the workers made meanwhile, so that the first window does not read a full ring's drain.
+            self.start_bytes = private_bytes(self.pids) if self.pids else 0
+            self.start_batch = rec.batches
         if n >= 0 and not self.metering:  # called before each batch: the first window begins with the next one
             self.cpu.open()
             self.metering = True
-            # As measure's trials read it: what a worker grows by from here to the trial's end is what it copied of
-            # the parent's memory by reading its objects (copy-on-read), projected toward the dataset's containers
-            self.start_bytes = private_bytes(self.pids) if self.pids else 0
-            self.start_batch = rec.batches
-        if n >= WINDOW_BATCHES:
+        if n >= WINDOW_BATCHES and n % self.per_round == 0:
             wait, step = rec.window(self.mark, rec.batches)
+            wait = max(0.0, wait - self.window_metered)
             handed = min(self.handed, wait)
             wait, step = wait - handed, step + handed
             if n >= self.window or wait + step >= WINDOW_S:
@@ -116,9 +135,13 @@ class _Run:
                 self.waits, self.steps = self.waits + wait, self.steps + step
                 total = self.waits + self.steps
                 self.trial.stall_fraction = self.waits / total if total > 0 else 0.0
-                self.mark, self.handed = rec.batches, 0.0
+                self.mark, self.handed, self.window_metered = rec.batches, 0.0, 0.0
                 self.cpu.close(n)  # and the next window begins here
                 self.cpu.settle(self.trial, self.workers)
+        if n >= 0:
+            metered = time.perf_counter() - began
+            self.window_metered += metered  # this ask is the current window's (the next one's, if it just closed)
+            self.metered = (rec.batches, metered)
         t = self.trial
         return len(t.windows) >= MAX_WINDOWS or (len(t.windows) >= MIN_WINDOWS and t.spread <= tolerance)
 
@@ -384,8 +407,12 @@ class TuningIter:
         self._base_seed = it._base_seed
         self._current = it
         self._stats.num_workers, self._stats.prefetch_factor = setting.num_workers, setting.prefetch_factor
-        # Warm-up: the batches made while the workers started, at most a quarter of the trial.
-        warm = min(setting.num_workers * (setting.prefetch_factor or 0) + 1, self._per_trial // 4)
+        # Warm-up: the trial's first batch (the workers' start; the memory read after it, see _Run.update), then
+        # what the workers made ahead meanwhile: a full ring and a batch in the making each, so that the windows
+        # read what they make. Cut to a quarter of a recheck's 12-batch trial, it left 4 of the 6 batches 3 workers
+        # had made ahead for the windows, which read how fast the loop empties a ring: 2 700 batches/s from workers
+        # that make 1 000.
+        warm = 1 + setting.num_workers * ((setting.prefetch_factor or 0) + 1) + 1
         window = max(WINDOW_BATCHES, (self._per_trial - warm) // self._windows)
         pool = getattr(it, "_pool", None)
         pids = () if pool is None or it._threads else list(pool.pids)
@@ -403,7 +430,7 @@ class TuningIter:
             if current._stats is not None:
                 run.trial.load_s = load_seconds(current._stats)
                 run.trial.load_tail = load_tail(current._stats)
-            if run.pids:  # its workers' memory, while they live
+            if run.pids and run.start_batch is not None:  # its workers' memory, while they live
                 trial = run.trial
                 trial.worker_bytes = private_bytes(run.pids)
                 trial.worker_start_bytes = min(run.start_bytes, trial.worker_bytes) if run.start_bytes else 0
