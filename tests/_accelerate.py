@@ -119,3 +119,7 @@ if __name__ == "__main__":
     phase, out = sys.argv[1], sys.argv[2]
     seen = compare() if phase == "compare" else resume(phase, out)
     torch.save(seen, os.path.join(out, f"{phase}-rank{os.environ['RANK']}.pt"))
+    # Accelerate's own ending: the process group's gloo threads end before the interpreter does. Left to exit, a
+    # rank beside other work aborted in torch's teardown ("terminate called without an active exception", SIGABRT).
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

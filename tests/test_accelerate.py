@@ -219,6 +219,7 @@ seen = [b[0].flatten().tolist() + b[1].flatten().tolist() for b in loader]
 # A file per rank: the two ranks' lines would interleave on torchrun's shared stdout.
 with open(f"rank{accelerator.process_index}.txt", "w") as f:
     f.write(f"{type(loader.base_dataloader).__module__} {seen}")
+accelerator.end_training()  # as Accelerate asks: the process group ends before the interpreter
 """
 
 
