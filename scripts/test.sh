@@ -3,7 +3,7 @@
 #   bash scripts/test.sh            every test (the README's command; CI runs it)
 #   bash scripts/test.sh --quick    the quick tier, for iterating: every module but SLOW_MODULES (tests/conftest.py)
 # Further arguments go to pytest (a file, -k EXPR, -x ...). FASTFEED_TEST_WORKERS sets the number of pytest-xdist
-# workers (default: one more than the cores, at least 2 and at most 4; 1 runs in this process, without xdist).
+# workers (default: the cores, at least 2 and at most 4; 1 runs in this process, without xdist).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -12,11 +12,10 @@ if [ "${1:-}" = "--quick" ]; then
   shift
   tier=(-m "not slow")
 fi
-# Most tests wait on processes they start (workers, torchrun ranks, Ray actors), so a worker more than the cores
-# keeps them busy: on 2 cores, 3 workers ran the suite in 1 051 s, the cores 93% busy, where 2 took 1 246 s. More
-# than four would mostly add contention for the cores those processes need.
+# Most tests wait on processes they start (workers, torchrun ranks, Ray actors), so two workers help even on two
+# cores; more than four would mostly add contention for the cores those processes need.
 cores=$(nproc 2>/dev/null || echo 2)
-workers=${FASTFEED_TEST_WORKERS:-$(( cores + 1 < 2 ? 2 : (cores + 1 > 4 ? 4 : cores + 1) ))}
+workers=${FASTFEED_TEST_WORKERS:-$(( cores < 2 ? 2 : (cores > 4 ? 4 : cores) ))}
 spread=()
 if [ "$workers" -gt 1 ]; then
   # --dist loadfile: a module's tests run in one worker, in order, so module-scoped fixtures (a Ray cluster, a
