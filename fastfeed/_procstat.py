@@ -54,12 +54,22 @@ def tree_cpu_s(root: int | None = None) -> tuple[float, float]:
     ticks (``cutime``, ``cstime``): the kernel keeps no finer figure for them.
     """
     root = root or os.getpid()
-    stats = _tree_stats(root) if _HAS_CHILDREN else _scanned_stats(root)
+    stats = _tree(root)
     own, reaped = stats.pop(root, (0, 0))
     descendants = reaped / CLK_TCK
     for pid, (run, theirs) in stats.items():
         descendants += theirs / CLK_TCK + _clock_s(pid, run)
     return _clock_s(root, own), descendants
+
+
+def tree_pids(root: int | None = None) -> list[int]:
+    """Pids of ``root`` (default: this process) and of its live descendants, ``root`` first."""
+    return list(_tree(root or os.getpid()))
+
+
+def _tree(root: int) -> dict[int, tuple[int, int]]:
+    """``{pid: (utime + stime, cutime + cstime)}`` of ``root`` and its live descendants, ``root`` first."""
+    return _tree_stats(root) if _HAS_CHILDREN else _scanned_stats(root)
 
 
 def _clock_s(pid: int, ticks: int) -> float:

@@ -19,9 +19,8 @@ from torch.utils.data import Dataset
 
 import fastfeed
 from _burner import burner
-from fastfeed import _procstat
+from fastfeed import _procstat, stats
 from fastfeed._procstat import CLK_TCK
-from fastfeed import stats
 from fastfeed.tuning import measure, online
 from fastfeed.tuning.noise import CpuMeter, Reading, usage
 from fastfeed.tuning.result import Setting, Trial, TuneResult

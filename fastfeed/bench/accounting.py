@@ -23,21 +23,9 @@ MB = 1e6
 
 
 def process_tree(root: int | None = None) -> list[int]:
-    """Pids of ``root`` (default: this process) and all its live descendants."""
-    # /proc/<pid>/task/*/children needs CONFIG_PROC_CHILDREN, absent on some kernels, so scan ppids.
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                with open(f"/proc/{entry.name}/stat", "rb") as f:
-                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue  # exited while we scanned
-            children.setdefault(ppid, []).append(int(entry.name))
-    tree = [root or os.getpid()]
-    for pid in tree:  # grows while we walk it: breadth-first over grandchildren too
-        tree.extend(children.get(pid, ()))
-    return tree
+    """Pids of ``root`` (default: this process) and all its live descendants: ``_procstat``'s walk of the tree, which
+    the tuner's CPU meter and ``tree_cpu_s`` read too."""
+    return _procstat.tree_pids(root)
 
 
 SHM_DIR = "/dev/shm"

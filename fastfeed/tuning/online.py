@@ -39,8 +39,8 @@ from .. import _state, affinity, stats
 from .._iterator import RingDataLoaderIter
 from .._single import SingleProcessIter
 from . import agree
-from .measure import (MAX_WINDOWS, MIN_WINDOWS, WINDOW_BATCHES, WindowsCpu, batch_bytes, load_tail,
-                      private_bytes, load_seconds)
+from .measure import (MAX_WINDOWS, MIN_WINDOWS, WINDOW_BATCHES, WindowsCpu, batch_bytes, load_seconds,
+                      load_tail, private_bytes)
 from .result import Setting, Trial, TuneResult
 from .search import Search
 
