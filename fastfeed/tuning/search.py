@@ -19,7 +19,8 @@ The phases:
    has an unmeasured gap to a clearly worse right neighbour (too many workers for the
    cores), the gap is bisected too: the peak may lie inside it. With CPU readings, counts whose
    workers could not reach the best even on a core each are not measured (``_out_of_reach``), and
-   for CPU-bound samples the range ends ``MODEL_SLACK`` above what the cores can run (``_model_top``).
+   for CPU-bound samples on a machine of its own the range ends ``MODEL_SLACK`` above what the cores can run
+   (``_model_top``).
 3. **``prefetch_factor``** at the knee, from ``PREFETCH``: 4 first; 8 only when 4 gained
    more than the tolerance; else 1, when memory is tight (a batch less per worker). Where the knee's slowest
    batches last no longer than ``DEFAULT_PREFETCH`` typical ones and the workers wait rather than compute (``_steady``),
@@ -81,12 +82,19 @@ MAX_REPEATS = 2
 REPEAT_SHARE = 1 / 3
 MAX_DUELS = 2
 CPU_BOUND = 0.7  # the workers' CPU time over their time per batch from which samples count as CPU-bound
-# For CPU-bound samples the search goes this many workers past what the model says the cores can run: workers also
-# wait on the pipeline (a free slot, their next indices), which more workers fill. On a 2-core VM whose speed drifted,
-# 4 workers beat 2 in every round of interleaved duels (3-10%) for an hour, while a range cut at 3 left 4 unmeasured
-# and chose 2 (0.88x the grid's best head to head); on other days 2 were the best. A count past the model's must still
-# win its duel clearly.
-MODEL_SLACK = 2
+# For CPU-bound samples on a machine of its own the search goes this many workers past what the model says the cores
+# can run: one more worker fills the pipeline's waits (a free slot, its next indices) while the others compute. More
+# are not searched: CPU-bound workers past the cores have no core to run on, and a trial cannot tell them apart from
+# the cores' count. On a quiet 2-core VM (`fastfeed bench tune`'s (a), 16 rounds in turn of 3 windows each), nw=4 gave
+# 1.010x nw=2's throughput, nw=3 at prefetch 4 1.007x, while a round's ratio of two settings spread 6-10% (its
+# standard deviation; 8-10% for windows of 0.25 s taken in turn from two live loaders, so the spread is the VM's
+# speed, not the trials' start-ups): a duel of 2-4 rounds reads such a tie as a clear gain about one time in five, and
+# with the range at 2 past the cores, 2 of 5 quiet runs of the bench took nw=4 where the knee was 2.
+MODEL_SLACK = 1
+# ... unless the top of that range read this much more than the model's own count (its one trial each): a gain that
+# the trials' noise (a trial's level spreads 6-7%) does not explain, so the model fell short and the whole range is
+# searched.
+MODEL_SHORT = 0.25
 MIN_CORE_SHARE = 0.05  # the least share of a core a worker is taken to have had (cores all taken by others)
 MAX_BAND = 0.25  # the widest noise band: settings further apart than this are not dueled, whatever the spread
 # Others' cores, on average over the trials, from which the machine counts as shared: the kernel then splits the cores
@@ -379,7 +387,8 @@ class Search:
 
     def _model_top(self) -> int:
         """The top of the ``num_workers`` range to search: for CPU-bound samples (``model``), ``MODEL_SLACK`` more
-        than the cores can run, unless the top measured the best (the model fell short: the whole range then)."""
+        than the cores can run, unless the top measured more than ``MODEL_SHORT`` above that many (the model fell
+        short: the whole range then)."""
         model = self.model()
         if not model or not model["cpu_bound"] or self.fixed_nw is not None:
             return self.hi
@@ -390,11 +399,13 @@ class Search:
             # samples, and a range cut at nw=3, whose one trial read low, left it unmeasured. The whole range is
             # searched; a count past the model's must still win its duel clearly.
             return self.hi
-        top = max(self.lo, model["max_useful_workers"] + MODEL_SLACK)
+        useful = model["max_useful_workers"]
+        top = max(self.lo, useful + MODEL_SLACK)
         measured = self._curve()
-        if top >= self.hi or (top in measured and max(measured.values(), key=lambda t: t.median) is measured[top]):
+        if (top < self.hi and top in measured and useful in measured
+                and measured[top].median > (1 + MODEL_SHORT) * measured[useful].median):
             return self.hi
-        return top
+        return min(top, self.hi)
 
     def _out_of_reach(self, bar: float, top: int) -> dict[int, float]:
         """Counts up to ``top`` that cannot reach ``bar`` by the workers' CPU time, with the most they could give:
