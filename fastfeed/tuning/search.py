@@ -90,6 +90,8 @@ CPU_BOUND = 0.7  # the workers' CPU time over their time per batch from which sa
 # standard deviation; 8-10% for windows of 0.25 s taken in turn from two live loaders, so the spread is the VM's
 # speed, not the trials' start-ups): a duel of 2-4 rounds reads such a tie as a clear gain about one time in five, and
 # with the range at 2 past the cores, 2 of 5 quiet runs of the bench took nw=4 where the knee was 2.
+# The cost: on an earlier day 4 workers beat 2 by 3-10% in every round of duels for an hour, while 3 (at prefetch 2,
+# its three workers sharing two cores unevenly) read below 2; a range cut at 3 then chose 2, 0.88x the grid's best.
 MODEL_SLACK = 1
 # ... unless the top of that range read this much more than the model's own count (its one trial each): a gain that
 # the trials' noise (a trial's level spreads 6-7%) does not explain, so the model fell short and the whole range is
